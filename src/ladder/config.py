@@ -1,0 +1,204 @@
+"""Model configuration: Llama-family shapes, the residual layout, and named presets.
+
+The config describes the *whole* model. Tensor parallelism never mutates it: the model computes its
+local head counts from the TP degree it is built with (see `ladder.model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ladder.errors import LadderError
+
+LAYOUTS = ("standard", "parallel", "ladder", "desync", "upper-bound")
+"""Residual layouts; exact semantics in docs/layouts.md. Hybrid is `ladder` with `ladder_layers < n_layers`."""
+
+DESYNC_PATTERNS = ("mlp", "attention", "all", "none")
+"""Which module outputs a desync model all-reduces (the last module is always reduced)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 frequency-dependent RoPE scaling (`rope_type: llama3` in Hugging Face configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder (pre-RMSNorm, RoPE, GQA attention, SwiGLU MLP) plus its residual layout."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    layout: str = "standard"
+    ladder_layers: int | None = None  # ladder on the last N layers; None means all (ladder layout only)
+    desync_reduce: str = "mlp"
+    source: str = ""  # the public model whose shape this mirrors
+    head_dim: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        layout = self.layout.replace("_", "-")
+        if layout == "hybrid":
+            layout = "ladder"
+        object.__setattr__(self, "layout", layout)
+        if layout not in LAYOUTS:
+            raise LadderError(f"unknown layout {self.layout!r}; known layouts: {', '.join(LAYOUTS)}")
+        if self.desync_reduce not in DESYNC_PATTERNS:
+            raise LadderError(
+                f"unknown desync reduce pattern {self.desync_reduce!r}; known: {', '.join(DESYNC_PATTERNS)}"
+            )
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise LadderError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise LadderError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise LadderError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim % 2:
+            raise LadderError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.ladder_layers is not None:
+            if layout != "ladder":
+                raise LadderError(f"ladder_layers is set ({self.ladder_layers}) but the layout is {layout!r}")
+            if not 0 <= self.ladder_layers <= self.n_layers:
+                raise LadderError(
+                    f"ladder_layers must be between 0 and n_layers={self.n_layers}, got {self.ladder_layers}"
+                )
+
+    # ---- the layout, module by module -------------------------------------------------------------
+
+    @property
+    def n_ladder_layers(self) -> int:
+        """How many trailing layers follow the ladder recurrence (0 unless the layout is ladder)."""
+        if self.layout != "ladder":
+            return 0
+        return self.n_layers if self.ladder_layers is None else self.ladder_layers
+
+    def is_ladder_layer(self, layer: int) -> bool:
+        return layer >= self.n_layers - self.n_ladder_layers
+
+    def desync_reduces(self, module: int) -> bool:
+        """Whether module `module` (0-based, execution order A_0, M_0, A_1, ...) is all-reduced in desync."""
+        if module == 2 * self.n_layers - 1:
+            return True  # the head must see one stream
+        is_mlp = module % 2 == 1
+        return {"all": True, "none": False, "mlp": is_mlp, "attention": not is_mlp}[self.desync_reduce]
+
+    @property
+    def layout_name(self) -> str:
+        """Human-readable layout, e.g. `ladder`, `hybrid (ladder on last 8 of 30 layers)`."""
+        n = self.n_ladder_layers
+        if self.layout == "ladder" and n < self.n_layers:
+            return f"hybrid (ladder on last {n} of {self.n_layers} layers)"
+        if self.layout == "desync":
+            return f"desync (reduce {self.desync_reduce})"
+        return self.layout
+
+    # ---- tensor parallelism ----------------------------------------------------------------------
+
+    def check_tp(self, tp: int) -> None:
+        """Raise a one-line error naming the numbers if this shape cannot be sharded over `tp` ranks."""
+        if tp < 1:
+            raise LadderError(f"tensor-parallel degree must be >= 1, got {tp}")
+        if self.n_heads % tp:
+            raise LadderError(f"n_heads {self.n_heads} is not divisible by tensor-parallel degree {tp}")
+        if self.n_kv_heads % tp and tp % self.n_kv_heads:
+            raise LadderError(
+                f"n_kv_heads {self.n_kv_heads} and tensor-parallel degree {tp} do not divide one another "
+                "(KV heads are split, or replicated when tp is a multiple of them)"
+            )
+        if self.ffn_hidden % tp:
+            raise LadderError(f"ffn_hidden {self.ffn_hidden} is not divisible by tensor-parallel degree {tp}")
+
+    # ---- derived numbers -------------------------------------------------------------------------
+
+    def n_params(self) -> int:
+        """Parameter count of the unsharded model."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attn = self.dim * (self.dim + 2 * kv_dim) + self.dim * self.dim
+        mlp = 3 * self.dim * self.ffn_hidden
+        norms = (1 if self.layout == "parallel" else 2) * self.dim
+        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + mlp + norms) + embed + self.dim
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        if changes.get("layout") not in (None, "ladder") and "ladder_layers" not in changes:
+            changes["ladder_layers"] = None
+        return dataclasses.replace(self, **changes)
+
+    # ---- persistence -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("head_dim")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise LadderError(f"unknown config keys: {', '.join(unknown)}")
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+_LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=160, vocab_size=256,
+                        max_seq_len=128, source="a few-layer toy for tests"),
+    "smollm2-135m": ModelConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden=1536,
+                                vocab_size=49152, rope_theta=100000.0, max_seq_len=8192,
+                                tie_embeddings=True, source="HuggingFaceTB/SmolLM2-135M"),
+    # The paper's from-scratch shapes (its section 4.1); key/value heads are not given, so full MHA.
+    "1b": ModelConfig(dim=1536, n_layers=40, n_heads=24, n_kv_heads=24, ffn_hidden=4096,
+                      vocab_size=49152, max_seq_len=2048, source="ladder paper 1.2B (FineWeb-edu)"),
+    "3b": ModelConfig(dim=2304, n_layers=40, n_heads=36, n_kv_heads=36, ffn_hidden=9216,
+                      vocab_size=49152, max_seq_len=2048, source="ladder paper 3.5B (FineWeb-edu)"),
+    "llama-3-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                              vocab_size=128256, rope_theta=500000.0, max_seq_len=8192,
+                              source="meta-llama/Meta-Llama-3-8B"),
+    "llama-3.1-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                                vocab_size=128256, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+                                max_seq_len=131072, source="meta-llama/Llama-3.1-8B"),
+    "codellama-34b": ModelConfig(dim=8192, n_layers=48, n_heads=64, n_kv_heads=8, ffn_hidden=22016,
+                                 vocab_size=32000, rope_theta=1000000.0, max_seq_len=16384,
+                                 source="codellama/CodeLlama-34b-hf"),
+    "llama-3-70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                               vocab_size=128256, rope_theta=500000.0, max_seq_len=8192,
+                               source="meta-llama/Meta-Llama-3-70B"),
+    "llama-3.1-405b": ModelConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
+                                  vocab_size=128256, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+                                  max_seq_len=131072, source="meta-llama/Llama-3.1-405B"),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The preset called exactly `name`, with optional field overrides (e.g. layout)."""
+    if name not in PRESETS:
+        raise LadderError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

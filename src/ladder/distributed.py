@@ -1,0 +1,157 @@
+"""Distributed set-up and the communicator the model talks through.
+
+The model never calls `torch.distributed` itself. Every collective goes through a `Communicator`
+passed to it, so a benchmark can substitute an emulated interconnect and a test can record the
+schedule. `init_distributed()` is explicit: nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ladder.errors import LadderError
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("LADDER_DIST_TIMEOUT", "300"))
+
+
+class Handle(Protocol):
+    """A collective in flight. `wait()` blocks until it is done and returns the reduced tensor."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class Communicator(Protocol):
+    """Sum-reductions across the tensor-parallel group (all in place on the argument's storage)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce_async(self, x: torch.Tensor) -> Handle: ...
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Done:
+    """A handle whose result is already available."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self.result = result
+
+    def wait(self) -> torch.Tensor:
+        return self.result
+
+
+class LocalCommunicator:
+    """World size 1: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+        return Done(x)
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _WorkHandle:
+    def __init__(self, work: dist.Work, result: torch.Tensor) -> None:
+        self.work = work
+        self.result = result
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.result
+
+
+class TorchCommunicator:
+    """Collectives of a real `torch.distributed` process group (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+        return _WorkHandle(dist.all_reduce(x, group=self.group, async_op=True), x)
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def communicator(self) -> Communicator:
+        return TorchCommunicator() if self.world_size > 1 else LocalCommunicator()
+
+
+def pick_device(requested: str | None, local_rank: int = 0) -> torch.device:
+    """`cuda:<local_rank>` when CUDA is present (or asked for), else CPU."""
+    if requested in (None, "auto"):
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise LadderError("--device cuda was asked for but CUDA is not available on this machine")
+        return torch.device("cuda", local_rank if requested == "cuda" else int(requested.split(":")[1]))
+    if requested != "cpu":
+        raise LadderError(f"unknown device {requested!r}; use cpu, cuda or auto")
+    return torch.device("cpu")
+
+
+def init_distributed(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+
+    Works for one process (no group is created) and for multi-node runs: rank and world size are the
+    global ones. The group has a timeout, so a rank that dies makes the others fail instead of hang.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print_rank0(*args: object, **kwargs: object) -> None:
+    """print() on global rank 0 only (every process when not distributed)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kwargs)  # type: ignore[call-overload]
+        sys.stdout.flush()

@@ -1,0 +1,159 @@
+"""The generation engine: static KV cache, prefill, token-by-token decode, sampling.
+
+It knows token ids, not text; tokenizers and chat templates live at the edges (CLI, server).
+Under tensor parallelism every rank runs the same engine with the same seed: logits are identical
+on every rank after the final all-reduce, so every rank samples the same token without a broadcast.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ladder.errors import LadderError
+from ladder.model import Transformer
+
+TokenCallback = Callable[[torch.Tensor], None]
+"""Called with each new token column (B,) as soon as it is sampled (for streaming)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy (argmax)
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise LadderError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise LadderError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise LadderError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids (B,) from last-position logits (B, V)."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / params.temperature
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p is not None and params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens ranked before it already reach top_p (the first always stays).
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per sequence (stopped sequences end at their stop token)
+    prefill_s: float
+    decode_s: float
+    token_latencies_s: list[float] = field(default_factory=list)  # one per decode step
+
+    @property
+    def n_generated(self) -> int:
+        return max((len(t) for t in self.tokens), default=0)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """Runs a `Transformer` for generation. `compile=True` compiles the decode step (with CUDA graphs
+    on CUDA: mode="reduce-overhead"); eager is the default and the only sensible choice on CPU."""
+
+    def __init__(self, model: Transformer, compile: bool = False) -> None:
+        self.model = model.eval()
+        self.device = model.output.weight.device
+        self._decode = self._decode_step
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+            self._decode = torch.compile(self._decode_step, mode=mode, fullgraph=True)
+
+    def _decode_step(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        return self.model(token, input_pos)[:, -1]  # (B, V)
+
+    @torch.inference_mode()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int,
+                 sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
+                 on_token: TokenCallback | None = None, max_seq: int | None = None) -> GenerationResult:
+        """Generate up to `max_new_tokens` for each row of `prompt` (B, T): equal-length prompts."""
+        if prompt.dim() != 2 or prompt.shape[1] == 0:
+            raise LadderError("prompt must be a non-empty (batch, length) tensor of token ids")
+        if max_new_tokens < 1:
+            raise LadderError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        vocab = self.model.config.vocab_size
+        if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+            raise LadderError(f"prompt token ids must be in [0, {vocab}), got {prompt.min()}..{prompt.max()}")
+        B, T = prompt.shape
+        total = T + max_new_tokens
+        max_seq = max_seq or total
+        limit = self.model.config.max_seq_len
+        if total > limit:
+            raise LadderError(f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} exceeds "
+                              f"the model's max_seq_len {limit}")
+        if total > max_seq:
+            raise LadderError(f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} exceeds "
+                              f"the KV cache of {max_seq} tokens")
+        self.model.setup_caches(B, max_seq)
+        prompt = prompt.to(self.device)
+        generator = None
+        if sampling.temperature > 0:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+
+        synchronize(self.device)
+        start = time.perf_counter()
+        logits = self.model(prompt, torch.arange(T, device=self.device))[:, -1]  # (B, V)
+        token = sample(logits, sampling, generator)  # (B,)
+        synchronize(self.device)
+        prefill_s = time.perf_counter() - start
+
+        stop = torch.tensor(list(stop_ids), dtype=torch.long, device=self.device)
+        out = [token]
+        done = torch.isin(token, stop)
+        if on_token:
+            on_token(token)
+        latencies: list[float] = []
+        decode_start = time.perf_counter()
+        for step in range(1, max_new_tokens):
+            if bool(done.all()):
+                break
+            t0 = time.perf_counter()
+            input_pos = torch.tensor([T + step - 1], device=self.device)
+            logits = self._decode(token.view(B, 1).clone(), input_pos)
+            token = sample(logits, sampling, generator)
+            token = torch.where(done, out[-1], token)  # finished rows repeat their stop token
+            synchronize(self.device)
+            latencies.append(time.perf_counter() - t0)
+            out.append(token)
+            done |= torch.isin(token, stop)
+            if on_token:
+                on_token(token)
+        decode_s = time.perf_counter() - decode_start
+        return GenerationResult(_trim(torch.stack(out, dim=1), stop_ids), prefill_s, decode_s, latencies)
+
+
+def _trim(tokens: torch.Tensor, stop_ids: Sequence[int]) -> list[list[int]]:
+    """Cut each row after its first stop token (kept)."""
+    rows = []
+    for row in tokens.tolist():
+        for i, t in enumerate(row):
+            if t in stop_ids:
+                row = row[: i + 1]
+                break
+        rows.append(row)
+    return rows

@@ -1,0 +1,94 @@
+"""Run a function on N tensor-parallel workers: under torchrun as is, or by starting N local
+processes with torch's own elastic launcher (what `torchrun --standalone` does).
+
+When one rank fails, the launcher stops every other rank and `launch` raises a one-line
+`LadderError` naming the failed rank and its error; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import traceback
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from ladder.errors import LadderError
+
+T = TypeVar("T")
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or any launcher that sets its environment)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _set_cpu_threads(local_world_size: int) -> None:
+    # N ranks on one host would each use every core; share them instead (torchrun sets OMP=1).
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def _worker(fn: Callable[..., T], error_dir: str, args: tuple[Any, ...]) -> T:
+    rank = int(os.environ.get("RANK", "0"))
+    _set_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    try:
+        return fn(*args)
+    except BaseException as exc:  # report every failure to the parent, then exit non-zero
+        message = str(exc) if isinstance(exc, LadderError) else f"{type(exc).__name__}: {exc}"
+        Path(error_dir, f"rank{rank}").write_text(message.strip().splitlines()[-1] if message.strip() else
+                                                  type(exc).__name__)
+        if not isinstance(exc, LadderError):
+            traceback.print_exc()
+        raise SystemExit(1)
+
+
+def launch(fn: Callable[..., T], nproc: int, *args: Any) -> dict[int, T]:
+    """Run `fn(*args)` on `nproc` ranks and return {rank: result}.
+
+    Under torchrun the current process is one rank: `fn` runs once here and the dict has one entry.
+    `fn` must be a module-level function (workers are spawned) and sets up its own process group
+    with `ladder.distributed.init_distributed()`.
+    """
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc not in (1, world):
+            raise LadderError(f"--tp {nproc} disagrees with torchrun's WORLD_SIZE={world}")
+        return {int(os.environ["RANK"]): fn(*args)}
+    if nproc == 1:
+        return {0: fn(*args)}
+    cpus = os.cpu_count() or 1
+    if not torch.cuda.is_available() and nproc > 8 * cpus:
+        raise LadderError(f"--tp {nproc} needs {nproc} processes; this machine has {cpus} CPU cores "
+                          f"(at most {8 * cpus} ranks can be launched here)")
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise LadderError(f"--tp {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}")
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    with tempfile.TemporaryDirectory(prefix="ladder-launch-") as error_dir:
+        try:
+            return elastic_launch(config, _worker)(fn, error_dir, args)
+        except ChildFailedError as exc:
+            raise LadderError(_describe_failure(Path(error_dir), exc)) from None
+
+
+def _describe_failure(error_dir: Path, exc: Exception) -> str:
+    # The first report written is the root cause; the others are usually "connection closed by peer".
+    reports = sorted(error_dir.glob("rank*"), key=lambda p: p.stat().st_mtime_ns)
+    if not reports:
+        failures = getattr(exc, "failures", {})
+        ranks = ", ".join(str(r) for r in sorted(failures)) or "?"
+        return f"worker rank(s) {ranks} died without an error message (killed, or out of memory?)"
+    first = reports[0]
+    return f"rank {first.name[4:]} failed: {first.read_text()}"

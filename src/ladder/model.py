@@ -1,0 +1,311 @@
+"""A Llama-family decoder with every residual layout, tensor-parallel by construction.
+
+One implementation serves all layouts. Standard and parallel are local to a block; ladder crosses
+block boundaries (a module reads the residual one module stale, and its all-reduce is waited on
+only when a later module needs it), so the layout lives in `Transformer.forward`'s module loop.
+
+Tensor parallelism (Megatron style): each rank holds `n_heads / tp` query heads with their key/value
+heads (split, or replicated when tp exceeds the KV head count), and `ffn_hidden / tp` MLP columns.
+The attention and MLP output projections are row-parallel, so each module returns a *partial* sum
+that the communicator all-reduces. The model is TP-agnostic: it derives its local shapes from the
+communicator it is built with and never mutates the config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ladder.config import ModelConfig
+from ladder.distributed import Communicator, Done, Handle, LocalCommunicator
+
+
+@dataclass(frozen=True)
+class ShardShape:
+    """The local sizes of one tensor-parallel rank."""
+
+    n_heads: int  # query heads on this rank
+    n_kv_heads: int  # key/value heads on this rank
+    first_head: int  # global index of this rank's first query head
+    first_kv_head: int  # global index of this rank's first key/value head
+    ffn_hidden: int
+    vocab_size: int  # output-head rows on this rank (all of them unless the vocabulary is sharded)
+    first_vocab_row: int
+
+    @staticmethod
+    def of(config: ModelConfig, rank: int, tp: int, shard_vocab: bool = False) -> ShardShape:
+        config.check_tp(tp)
+        n_heads = config.n_heads // tp
+        n_kv = max(1, config.n_kv_heads // tp)
+        # With tp > n_kv_heads each KV head is replicated on tp / n_kv_heads consecutive ranks.
+        first_kv = rank * config.n_kv_heads // tp if tp > config.n_kv_heads else rank * n_kv
+        vocab = config.vocab_size // tp if shard_vocab else config.vocab_size
+        first_vocab = rank * vocab if shard_vocab else 0
+        return ShardShape(n_heads, n_kv, rank * n_heads, first_kv, config.ffn_hidden // tp, vocab, first_vocab)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the gain, as Hugging Face's LlamaRMSNorm does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies (head_dim/2,), with Llama-3.1 scaling when the config has it."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the Hugging Face ("rotate half") layout. x: (B, H, T, hd), cos/sin: (T, hd)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """A static key/value cache, allocated once for the longest sequence it will hold."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: (B, n_kv, T, hd) written at positions input_pos (T,)
+        batch = k.shape[0]
+        self.k[:batch, :, input_pos] = k
+        self.v[:batch, :, input_pos] = v
+        return self.k[:batch], self.v[:batch]
+
+
+class Attention(nn.Module):
+    """This rank's attention heads. Returns a partial output: the sum over ranks is the true output."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = shard.n_heads, shard.n_kv_heads, config.head_dim
+        # Fused QKV: [q heads | k heads | v heads] of this rank only (split by heads before sharding).
+        self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)  # row-parallel
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
+        q = q.view(B, T, self.n_heads, hd).transpose(1, 2)  # (B, n_heads, T, hd)
+        k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)  # (B, n_kv, T, hd)
+        v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)  # (B, n_kv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_cache is not None and input_pos is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, n_heads * hd)
+        return self.wo(y)  # (B, T, dim), partial
+
+
+class FeedForward(nn.Module):
+    """This rank's SwiGLU columns. Returns a partial output."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape) -> None:
+        super().__init__()
+        self.hidden = shard.ffn_hidden
+        self.w13 = nn.Linear(config.dim, 2 * self.hidden, bias=False)  # fused [gate | up], column-parallel
+        self.w2 = nn.Linear(self.hidden, config.dim, bias=False)  # down, row-parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.hidden, dim=-1)  # (B, T, hidden) each
+        return self.w2(F.silu(gate) * up)  # (B, T, dim), partial
+
+
+class Block(nn.Module):
+    """One layer's two modules. The residual add and all-reduce belong to `Transformer.forward`."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, shard)
+        # The parallel layout has one shared norm per layer; every other layout has two.
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps) if config.layout != "parallel" else None
+        self.feed_forward = FeedForward(config, shard)
+
+    def attention_branch(self, r: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                         input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.attention(self.attention_norm(r), *rope, input_pos, mask)
+
+    def mlp_branch(self, r: torch.Tensor) -> torch.Tensor:
+        assert self.ffn_norm is not None
+        return self.feed_forward(self.ffn_norm(r))
+
+    def parallel_branch(self, r: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                        input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        u = self.attention_norm(r)
+        return self.attention(u, *rope, input_pos, mask) + self.feed_forward(u)
+
+
+class Transformer(nn.Module):
+    """The whole decoder on one tensor-parallel rank.
+
+    Build it on the meta device and materialise only this rank's shard (see `ladder.weights`).
+    `forward(tokens, input_pos)` returns full-vocabulary logits (B, T, vocab) on every rank.
+    """
+
+    def __init__(self, config: ModelConfig, comm: Communicator | None = None,
+                 shard_vocab: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.comm: Communicator = comm or LocalCommunicator()
+        tp, rank = self.comm.world_size, self.comm.rank
+        self.shard_vocab = shard_vocab and tp > 1
+        if self.shard_vocab and config.vocab_size % tp:
+            from ladder.errors import LadderError
+            raise LadderError(f"vocab_size {config.vocab_size} is not divisible by tensor-parallel degree {tp}")
+        self.shard = ShardShape.of(config, rank, tp, self.shard_vocab)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, self.shard) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, self.shard.vocab_size, bias=False)
+        if config.tie_embeddings and not self.shard_vocab:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.max_batch = self.max_seq = 0
+
+    # ---- buffers that do not come from a checkpoint ---------------------------------------------
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (needed after `to_empty()` from the meta device)."""
+        self.inv_freq = rope_inverse_frequencies(self.config, self.inv_freq.device)
+
+    def setup_caches(self, max_batch: int, max_seq: int) -> None:
+        """Allocate static KV caches for up to `max_batch` sequences of `max_seq` tokens."""
+        if max_seq > self.config.max_seq_len:
+            from ladder.errors import LadderError
+            raise LadderError(f"a cache of {max_seq} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        if max_batch <= self.max_batch and max_seq == self.max_seq:
+            return
+        weight = self.output.weight
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch, self.shard.n_kv_heads, max_seq,
+                                               self.config.head_dim, weight.dtype, weight.device)
+        self.max_batch, self.max_seq = max_batch, max_seq
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(positions.float(), self.inv_freq)  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T); input_pos (T,) cache positions, or None for a cache-free causal forward."""
+        B, T = tokens.shape
+        r = self.tok_embeddings(tokens)  # (B, T, dim)
+        positions = input_pos if input_pos is not None else torch.arange(T, device=tokens.device)
+        rope = self.rope(positions, r.dtype)
+        mask = None
+        if input_pos is not None:
+            if self.max_seq == 0:
+                raise RuntimeError("call setup_caches() before a forward with input_pos")
+            key_pos = torch.arange(self.max_seq, device=tokens.device)
+            mask = key_pos[None, :] <= input_pos[:, None]  # (T, S): query i sees keys up to its position
+
+        layout = self.config.layout
+        if layout == "parallel":
+            r = self._parallel_layers(r, rope, input_pos, mask)
+        elif layout in ("desync", "upper-bound"):
+            r = self._unsynchronised_layers(r, rope, input_pos, mask)
+        else:
+            r = self._ladder_layers(r, rope, input_pos, mask)
+
+        logits = self.output(self.norm(r))  # (B, T, vocab or vocab / tp)
+        if self.shard_vocab:
+            logits = self.comm.all_gather_last_dim(logits)  # (B, T, vocab)
+        return logits
+
+    def _residual_modules(self, rope, input_pos, mask):
+        """The 2L modules h_1..h_2L in execution order, as (index, callable) pairs."""
+        for i, layer in enumerate(self.layers):
+            yield 2 * i, lambda r, layer=layer: layer.attention_branch(r, rope, input_pos, mask)
+            yield 2 * i + 1, layer.mlp_branch
+
+    def _ladder_layers(self, r, rope, input_pos, mask) -> torch.Tensor:
+        """Standard, ladder and hybrid: module j reads r_{j-1} (standard) or r_{j-2} (ladder).
+
+        standard module:                       ladder module (AR of y_j overlaps h_{j+1}):
+            r ----> h_j --AR--> (+) --> r         r_{j-2} --> h_j --AR_async ............
+            |                    ^                r_{j-1} --> h_{j+1} --AR_async .....  :
+            +--------------------+                          wait(y_j); r_j = r_{j-1} + y_j
+                                                            h_{j+2}(r_j) ...
+
+        `pending` holds the handles of outputs not yet added to r, oldest first. Before a ladder
+        module all but the newest are waited on and added (so it reads r_{j-2}, and the newest
+        all-reduce keeps running while this module computes); before a standard module all are.
+        A hybrid model is this loop with ladder modules only in its last N layers: the first
+        ladder attention then reads the residual without the previous (standard) layer's MLP.
+        """
+        pending: list[Handle] = []
+        for j, module in self._residual_modules(rope, input_pos, mask):
+            stale = self.config.is_ladder_layer(j // 2)
+            while len(pending) > (1 if stale else 0):
+                r = r + pending.pop(0).wait()
+            y = module(r)  # (B, T, dim), partial sum of this rank
+            pending.append(self.comm.all_reduce_async(y) if stale else Done(self.comm.all_reduce(y)))
+        for handle in pending:  # only the last all-reduce is exposed
+            r = r + handle.wait()
+        return r
+
+    def _parallel_layers(self, r, rope, input_pos, mask) -> torch.Tensor:
+        """GPT-J / PaLM: r = r + AR(A(u) + M(u)), u = norm(r). One blocking all-reduce per layer."""
+        for layer in self.layers:
+            r = r + self.comm.all_reduce(layer.parallel_branch(r, rope, input_pos, mask))
+        return r
+
+    def _unsynchronised_layers(self, r, rope, input_pos, mask) -> torch.Tensor:
+        """Desync and upper bound: each rank keeps its own residual stream.
+
+        reduced module:      r = AR(h(r) + r / T)   (re-synchronises the streams)
+        not reduced module:  r = r + h(r)           (rank-local; streams diverge)
+        Upper bound reduces nothing: it is not a valid model, only a speed ceiling.
+        """
+        tp = self.comm.world_size
+        upper_bound = self.config.layout == "upper-bound"
+        for j, module in self._residual_modules(rope, input_pos, mask):
+            y = module(r)
+            if not upper_bound and self.config.desync_reduces(j):
+                r = self.comm.all_reduce(y + r / tp)
+            else:
+                r = r + y
+        return r

@@ -1,0 +1,197 @@
+"""Weights: Hugging Face tensor names, per-rank slicing, materialisation and initialisation.
+
+Checkpoints on disk keep the unfused Hugging Face Llama names (`model.layers.3.self_attn.q_proj.weight`).
+Each rank asks a `TensorSource` only for the rows or columns it owns, so a safetensors file is read
+slice by slice and a 70B checkpoint never sits whole in one rank's memory. The fused QKV and
+gate/up matrices are assembled per rank after slicing by heads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from ladder.config import ModelConfig
+from ladder.distributed import Communicator
+from ladder.errors import LadderError
+from ladder.model import ShardShape, Transformer
+
+Slice = tuple[slice, slice]  # (rows, columns)
+ALL: Slice = (slice(None), slice(None))
+
+
+class TensorSource(Protocol):
+    """Where weights come from: an in-memory dict, safetensors files, a GGUF file."""
+
+    def names(self) -> set[str]: ...
+
+    def get(self, name: str, index: Slice = ALL) -> torch.Tensor: ...
+
+
+class DictSource:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def get(self, name: str, index: Slice = ALL) -> torch.Tensor:
+        t = self.tensors[name]
+        return t[index] if t.dim() == 2 else t[index[0]]
+
+
+def hf_names(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every Hugging Face tensor name of the unsharded model with its shape."""
+    d, hd, f = config.dim, config.head_dim, config.ffn_hidden
+    yield "model.embed_tokens.weight", (config.vocab_size, d)
+    for i in range(config.n_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (d,)
+        yield p + "self_attn.q_proj.weight", (config.n_heads * hd, d)
+        yield p + "self_attn.k_proj.weight", (config.n_kv_heads * hd, d)
+        yield p + "self_attn.v_proj.weight", (config.n_kv_heads * hd, d)
+        yield p + "self_attn.o_proj.weight", (d, config.n_heads * hd)
+        if config.layout != "parallel":
+            yield p + "post_attention_layernorm.weight", (d,)
+        yield p + "mlp.gate_proj.weight", (f, d)
+        yield p + "mlp.up_proj.weight", (f, d)
+        yield p + "mlp.down_proj.weight", (d, f)
+    yield "model.norm.weight", (d,)
+    if not config.tie_embeddings:
+        yield "lm_head.weight", (config.vocab_size, d)
+
+
+def _rows(start: int, count: int) -> Slice:
+    return slice(start, start + count), slice(None)
+
+
+def _cols(start: int, count: int) -> Slice:
+    return slice(None), slice(start, start + count)
+
+
+def shard_plan(config: ModelConfig, shard: ShardShape, rank: int
+               ) -> Iterator[tuple[str, list[tuple[str, Slice]]]]:
+    """For each parameter of our model: the Hugging Face tensors (and slices) it concatenates."""
+    hd = config.head_dim
+    q_rows = _rows(shard.first_head * hd, shard.n_heads * hd)
+    kv_rows = _rows(shard.first_kv_head * hd, shard.n_kv_heads * hd)
+    ffn_rows = _rows(rank * shard.ffn_hidden, shard.ffn_hidden)
+    yield "tok_embeddings.weight", [("model.embed_tokens.weight", ALL)]
+    for i in range(config.n_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        yield p + "attention_norm.weight", [(q + "input_layernorm.weight", ALL)]
+        yield p + "attention.wqkv.weight", [(q + "self_attn.q_proj.weight", q_rows),
+                                            (q + "self_attn.k_proj.weight", kv_rows),
+                                            (q + "self_attn.v_proj.weight", kv_rows)]
+        yield p + "attention.wo.weight", [(q + "self_attn.o_proj.weight",
+                                           _cols(shard.first_head * hd, shard.n_heads * hd))]
+        if config.layout != "parallel":
+            yield p + "ffn_norm.weight", [(q + "post_attention_layernorm.weight", ALL)]
+        yield p + "feed_forward.w13.weight", [(q + "mlp.gate_proj.weight", ffn_rows),
+                                              (q + "mlp.up_proj.weight", ffn_rows)]
+        yield p + "feed_forward.w2.weight", [(q + "mlp.down_proj.weight", _cols(rank * shard.ffn_hidden,
+                                                                                 shard.ffn_hidden))]
+    yield "norm.weight", [("model.norm.weight", ALL)]
+    head = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
+    yield "output.weight", [(head, _rows(shard.first_vocab_row, shard.vocab_size))]
+
+
+def build_model(config: ModelConfig, comm: Communicator, device: torch.device,
+                dtype: torch.dtype = torch.float32, shard_vocab: bool = False) -> Transformer:
+    """Build on the meta device, then allocate (uninitialised) only this rank's shard on `device`."""
+    with torch.device("meta"):
+        model = Transformer(config, comm, shard_vocab=shard_vocab)
+    model = model.to_empty(device=device).to(dtype)
+    model.reset_buffers()
+    return model
+
+
+def load_weights(model: Transformer, source: TensorSource) -> None:
+    """Copy this rank's slices of every Hugging Face tensor in `source` into `model`."""
+    config, rank = model.config, model.comm.rank
+    params = dict(model.named_parameters(remove_duplicate=False))
+    available = source.names()
+    for name, parts in shard_plan(config, model.shard, rank):
+        if name == "output.weight" and config.tie_embeddings and not model.shard_vocab:
+            continue  # shares the embedding's storage
+        missing = [hf for hf, _ in parts if hf not in available]
+        if missing:
+            raise LadderError(f"checkpoint has no tensor {missing[0]!r}")
+        pieces = [source.get(hf, index) for hf, index in parts]
+        tensor = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        param = params[name]
+        if tensor.shape != param.shape:
+            raise LadderError(f"tensor for {name} has shape {tuple(tensor.shape)}, the config implies "
+                              f"{tuple(param.shape)} (config and checkpoint disagree)")
+        with torch.no_grad():
+            param.copy_(tensor)
+
+
+def init_hf_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+                       ) -> dict[str, torch.Tensor]:
+    """The documented initialisation for training from scratch, in Hugging Face names.
+
+    Linear and embedding weights ~ N(0, 0.02); the projections that write into the residual stream
+    (o_proj, down_proj) are scaled by 1/sqrt(2 * n_layers) (GPT-2), norms start at 1. Every tensor is
+    drawn from its own generator seeded by (seed, name), so the full model is identical on every
+    rank and each rank can take its slices of the same weights.
+    """
+    std = 0.02
+    out: dict[str, torch.Tensor] = {}
+    for i, (name, shape) in enumerate(hf_names(config)):
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, dtype=dtype)
+            continue
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        scale = std / math.sqrt(2 * config.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+        out[name] = (torch.randn(shape, generator=gen) * scale).to(dtype)
+    return out
+
+
+def init_local_shard(model: Transformer, seed: int = 0) -> None:
+    """Random weights drawn directly in this rank's shard: for speed benchmarks of models too large to
+    build whole (the values differ from any single-process model; only their shapes are meaningful)."""
+    gen = torch.Generator(device=model.output.weight.device).manual_seed(seed + 7919 * model.comm.rank)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def random_model(config: ModelConfig, comm: Communicator, device: torch.device,
+                 dtype: torch.dtype = torch.float32, seed: int = 0, shard_vocab: bool = False,
+                 exact: bool = True) -> Transformer:
+    """A model with seeded random weights. `exact`: every rank holds slices of the same full model
+    (so any TP degree computes the same function); otherwise each rank draws its shard directly."""
+    model = build_model(config, comm, device, dtype, shard_vocab)
+    if exact:
+        load_weights(model, DictSource(init_hf_state_dict(config, seed)))
+    else:
+        init_local_shard(model, seed)
+    return model
+
+
+def export_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The unsharded model's weights under Hugging Face names (TP=1 only)."""
+    if model.comm.world_size != 1:
+        raise LadderError("exporting weights needs the unsharded model (tp=1)")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = {}
+    for name, parts in shard_plan(model.config, model.shard, 0):
+        if name == "output.weight" and model.config.tie_embeddings:
+            continue
+        tensor = params[name].detach()
+        sizes = [_length(index[0], shape[0]) for (hf, index), shape in
+                 zip(parts, (dict(hf_names(model.config))[hf] for hf, _ in parts))]
+        for (hf, _), piece in zip(parts, tensor.split(sizes, dim=0)):
+            out[hf] = piece.contiguous()
+    return out
+
+
+def _length(s: slice, n: int) -> int:
+    return len(range(*s.indices(n)))
