@@ -84,11 +84,17 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any) -> dict[int, T]:
 
 
 def _describe_failure(error_dir: Path, exc: Exception) -> str:
-    # The first report written is the root cause; the others are usually "connection closed by peer".
-    reports = sorted(error_dir.glob("rank*"), key=lambda p: p.stat().st_mtime_ns)
+    # A rank's own error beats the "connection closed by peer" its death causes on the other ranks
+    # (which may be written first, as the failing rank tears down its process group on the way out).
+    reports = sorted(error_dir.glob("rank*"),
+                     key=lambda p: (_is_peer_failure(p.read_text()), p.stat().st_mtime_ns))
     if not reports:
         failures = getattr(exc, "failures", {})
         ranks = ", ".join(str(r) for r in sorted(failures)) or "?"
         return f"worker rank(s) {ranks} died without an error message (killed, or out of memory?)"
     first = reports[0]
     return f"rank {first.name[4:]} failed: {first.read_text()}"
+
+
+def _is_peer_failure(message: str) -> bool:
+    return any(s in message for s in ("by peer", "remote worker", "Connection reset", "Broken pipe"))

@@ -198,10 +198,15 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, self.shard) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, self.shard.vocab_size, bias=False)
-        if config.tie_embeddings and not self.shard_vocab:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         self.max_batch = self.max_seq = 0
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head (tied models, unsharded vocabulary).
+        `to_empty()` unties parameters, so materialisation calls this again."""
+        if self.config.tie_embeddings and not self.shard_vocab:
+            self.output.weight = self.tok_embeddings.weight
 
     # ---- buffers that do not come from a checkpoint ---------------------------------------------
 

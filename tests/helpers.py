@@ -1,0 +1,123 @@
+"""Shared test helpers: a recording communicator, the unoptimised ladder recurrence, TP workers."""
+
+from __future__ import annotations
+
+import torch
+
+from ladder.config import ModelConfig, get_preset
+from ladder.distributed import Communicator, Handle, LocalCommunicator, init_distributed, shutdown_distributed
+from ladder.model import Transformer
+from ladder.weights import random_model
+
+CPU = torch.device("cpu")
+
+
+def tiny(**changes) -> ModelConfig:
+    return get_preset("tiny").replace(**changes) if changes else get_preset("tiny")
+
+
+def make_model(config: ModelConfig, comm: Communicator | None = None, seed: int = 0,
+               shard_vocab: bool = False) -> Transformer:
+    return random_model(config, comm or LocalCommunicator(), CPU, seed=seed, shard_vocab=shard_vocab).eval()
+
+
+class RecordingCommunicator:
+    """Wraps a communicator and records the schedule: which module computes when, and when each
+    all-reduce is launched and waited on. Module j's computation is recorded by the norm it starts with."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.events: list[tuple[str, int]] = []
+        self._launched = 0
+
+    def attach(self, model: Transformer) -> None:
+        for i, layer in enumerate(model.layers):
+            layer.attention_norm.register_forward_pre_hook(lambda *_, j=2 * i: self.events.append(("compute", j)))
+            if layer.ffn_norm is not None:
+                layer.ffn_norm.register_forward_pre_hook(lambda *_, j=2 * i + 1: self.events.append(("compute", j)))
+
+    def _next(self) -> int:
+        self._launched += 1
+        return self._launched - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        j = self._next()
+        self.events.append(("launch", j))
+        out = self.inner.all_reduce(x)
+        self.events.append(("wait", j))
+        return out
+
+    def all_reduce_async(self, x: torch.Tensor) -> Handle:
+        j = self._next()
+        self.events.append(("launch", j))
+        inner = self.inner.all_reduce_async(x)
+        events = self.events
+
+        class _Recorded:
+            def wait(self) -> torch.Tensor:
+                events.append(("wait", j))
+                return inner.wait()
+
+        return _Recorded()
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.all_gather_last_dim(x)
+
+
+def overlapped_modules(events: list[tuple[str, int]]) -> list[bool]:
+    """For each module j with a successor: did module j+1 start computing before AR(y_j) was waited on?"""
+    index = {event: i for i, event in enumerate(events)}
+    n = max(j for kind, j in events if kind == "compute") + 1
+    return [index[("compute", j + 1)] < index[("wait", j)] for j in range(n - 1)]
+
+
+def reference_ladder_logits(model: Transformer, tokens: torch.Tensor, n_ladder: int) -> torch.Tensor:
+    """The recurrence of layouts.md written directly: y_j = h_j(r_{j-2}) for ladder modules
+    (h_j(r_{j-1}) for standard ones), r_j = r_{j-1} + y_j, with r_0 = r_{-1} = embed. TP=1 only."""
+    L = model.config.n_layers
+    x = model.tok_embeddings(tokens)
+    rope = model.rope(torch.arange(tokens.shape[1]), x.dtype)
+    modules = []
+    for layer in model.layers:
+        modules.append(lambda r, layer=layer: layer.attention_branch(r, rope, None, None))
+        modules.append(layer.mlp_branch)
+    r = {-1: x, 0: x}
+    for j in range(1, 2 * L + 1):
+        is_ladder = (j - 1) // 2 >= L - n_ladder
+        y = modules[j - 1](r[j - 2] if is_ladder else r[j - 1])
+        r[j] = r[j - 1] + y
+    return model.output(model.norm(r[2 * L]))
+
+
+def cached_logits(model: Transformer, prompt: torch.Tensor, decode_tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Prefill logits (B, T, V), then one (B, 1, V) per teacher-forced decode token column."""
+    B, T = prompt.shape
+    model.setup_caches(B, T + decode_tokens.shape[1])
+    with torch.inference_mode():
+        out = [model(prompt, torch.arange(T))]
+        for i in range(decode_tokens.shape[1]):
+            out.append(model(decode_tokens[:, i:i + 1], torch.tensor([T + i])))
+    return out
+
+
+def tp_worker(cases: list[tuple[ModelConfig, bool]], prompt: torch.Tensor, decode_tokens: torch.Tensor
+              ) -> dict[str, object]:
+    """Runs on each TP rank: cached logits of every case, plus the recorded schedule of a ladder model."""
+    ctx = init_distributed("cpu", timeout_s=120)
+    try:
+        comm = ctx.communicator()
+        logits = [cached_logits(make_model(config, comm, shard_vocab=sv), prompt, decode_tokens)
+                  for config, sv in cases]
+        schedules = {}
+        for name, config in [("ladder", tiny(layout="ladder")), ("standard", tiny()),
+                             ("hybrid", tiny(layout="ladder", ladder_layers=2))]:
+            recorder = RecordingCommunicator(comm)
+            model = make_model(config, recorder)
+            recorder.attach(model)
+            with torch.inference_mode():
+                model(prompt)
+            schedules[name] = recorder.events
+        return {"logits": logits, "schedules": schedules}
+    finally:
+        shutdown_distributed()

@@ -1,0 +1,91 @@
+"""The `ladder` command: real subprocesses, real worker processes, one-line errors."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ladder.config import ModelConfig
+from ladder.distributed import init_distributed, shutdown_distributed
+from ladder.errors import LadderError
+from ladder.launch import launch
+
+LADDER = [sys.executable, "-m", "ladder.cli"]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*LADDER, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "LADDER_DIST_TIMEOUT": "60"})
+
+
+def generated(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("generated"))
+
+
+def test_generate_tp2_equals_tp1_and_says_weights_are_random():
+    args = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "16"]
+    one, two = run(*args, "--tp", "1"), run(*args, "--tp", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "RANDOM" in one.stdout
+    assert generated(one.stdout) == generated(two.stdout)
+    assert len(generated(one.stdout).split(":")[1].split()) == 16
+
+
+def test_generate_batch_with_sampling():
+    out = run("generate", "--preset", "tiny", "--layout", "ladder", "--ladder-layers", "2", "--tp", "2",
+              "--shard-vocab", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6", "--max-new-tokens", "5",
+              "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("generated[")]
+    assert len(rows) == 2 and all(len(r.split(":")[1].split()) == 5 for r in rows)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--preset", "tiny", "--tp", "3"], "n_heads 4 is not divisible by tensor-parallel degree 3"),
+    (["--preset", "smollm2-135m", "--tp", "2"], "n_heads 9 is not divisible by tensor-parallel degree 2"),
+    (["--preset", "nope"], "unknown preset 'nope'; known presets: tiny"),
+    (["--layout", "zigzag"], "unknown layout 'zigzag'; known layouts: standard"),
+    (["--max-new-tokens", "200"], "= 203 exceeds the model's max_seq_len 128"),
+    (["--ladder-layers", "9"], "ladder_layers must be between 0 and n_layers=4, got 9"),
+    (["--ladder-layers", "-1"], "ladder_layers must be between 0 and n_layers=4, got -1"),
+    (["--preset", "llama-3-70b", "--tp", "64"], "--tp 64 needs 64 processes"),
+    (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+    (["--prompt-ids", "1,999"], "token id 999 is outside the vocabulary [0, 256)"),
+])
+def test_bad_input_is_one_line_and_nonzero(args, message):
+    if "--prompt-ids" not in args:
+        args = [*args, "--prompt-ids", "1,2,3"]
+    out = run("generate", *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ladder: error: "), out.stderr
+    assert message in lines[0]
+
+
+def test_kv_heads_divisibility_names_the_numbers():
+    config = ModelConfig(dim=96, n_layers=1, n_heads=12, n_kv_heads=3, ffn_hidden=64, vocab_size=32)
+    with pytest.raises(LadderError, match="n_kv_heads 3 and tensor-parallel degree 2"):
+        config.check_tp(2)
+    with pytest.raises(LadderError, match="ffn_hidden 30 is not divisible by tensor-parallel degree 4"):
+        config.replace(n_kv_heads=12, ffn_hidden=30).check_tp(4)
+    config.replace(n_kv_heads=1).check_tp(4)  # MQA: the single KV head is replicated
+
+
+def _rank1_fails_while_rank0_waits() -> None:
+    init_distributed("cpu", timeout_s=60)
+    try:
+        if dist.get_rank() == 1:
+            raise LadderError("rank one broke on purpose")
+        dist.barrier()  # rank 0 would wait here forever without the launcher's clean-up
+    finally:
+        shutdown_distributed()
+
+
+def test_a_failing_rank_stops_every_rank_without_hanging():
+    start = time.monotonic()
+    with pytest.raises(LadderError, match="rank 1 failed: rank one broke on purpose"):
+        launch(_rank1_fails_while_rank0_waits, 2)
+    assert time.monotonic() - start < 50  # well before the 60 s process-group timeout

@@ -1,0 +1,52 @@
+"""Config: exact preset lookup, validation messages, persistence."""
+
+import json
+
+import pytest
+
+from ladder.config import PRESETS, ModelConfig, get_preset
+from ladder.errors import LadderError
+
+
+def test_paper_shapes():
+    one_b = get_preset("1b")
+    assert (one_b.dim, one_b.n_layers, one_b.n_heads, one_b.ffn_hidden, one_b.vocab_size) == (1536, 40, 24, 4096, 49152)
+    seventy = get_preset("llama-3-70b")
+    assert (seventy.dim, seventy.n_layers, seventy.n_heads, seventy.n_kv_heads, seventy.ffn_hidden) == (8192, 80, 64, 8, 28672)
+    assert 69e9 < seventy.n_params() < 72e9
+    assert 400e9 < get_preset("llama-3.1-405b").n_params() < 410e9
+    assert 130e6 < get_preset("smollm2-135m").n_params() < 140e6
+    assert get_preset("llama-3.1-8b").rope_scaling is not None
+
+
+def test_lookup_is_exact():
+    with pytest.raises(LadderError, match="unknown preset 'Tiny'"):
+        get_preset("Tiny")
+    assert all(get_preset(name) is PRESETS[name] for name in PRESETS)
+
+
+def test_hybrid_is_ladder_with_ladder_layers():
+    c = get_preset("smollm2-135m", layout="hybrid", ladder_layers=8)
+    assert c.layout == "ladder" and c.n_ladder_layers == 8
+    assert [c.is_ladder_layer(i) for i in (21, 22, 29)] == [False, True, True]
+    assert c.layout_name == "hybrid (ladder on last 8 of 30 layers)"
+
+
+def test_ladder_layers_only_with_ladder_layout():
+    with pytest.raises(LadderError, match="ladder_layers is set \\(2\\) but the layout is 'standard'"):
+        get_preset("tiny").replace(ladder_layers=2)
+
+
+def test_desync_reduce_pattern():
+    c = get_preset("tiny", layout="desync")  # default: keep MLP reductions, drop attention ones
+    assert [c.desync_reduces(j) for j in range(8)] == [False, True] * 4
+    c = c.replace(desync_reduce="none")
+    assert [c.desync_reduces(j) for j in range(8)] == [False] * 7 + [True]  # the last is always reduced
+
+
+def test_round_trip_and_unknown_keys(tmp_path):
+    c = get_preset("llama-3.1-8b", layout="ladder", ladder_layers=16)
+    c.save(tmp_path / "config.json")
+    assert ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text())) == c
+    with pytest.raises(LadderError, match="unknown config keys: n_experts"):
+        ModelConfig.from_dict({**c.to_dict(), "n_experts": 8})

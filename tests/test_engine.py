@@ -1,0 +1,98 @@
+"""The generation engine: greedy = argmax, seeds, top-k / top-p sets, stop tokens, streaming, limits."""
+
+import pytest
+import torch
+
+from helpers import make_model, tiny
+from ladder.engine import Engine, SamplingParams, sample
+from ladder.errors import LadderError
+
+PROMPT = torch.tensor([[5, 17, 42, 7], [9, 3, 200, 1]])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(make_model(tiny(layout="ladder")))
+
+
+def test_greedy_equals_argmax_of_full_forward(engine):
+    result = engine.generate(PROMPT, 6)
+    seq = PROMPT.clone()
+    with torch.inference_mode():
+        for _ in range(6):
+            nxt = engine.model(seq)[:, -1].argmax(-1)
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+    assert result.tokens == seq[:, PROMPT.shape[1]:].tolist()
+
+
+def test_temperature_zero_is_deterministic(engine):
+    a = engine.generate(PROMPT, 8, SamplingParams(temperature=0, seed=1))
+    b = engine.generate(PROMPT, 8, SamplingParams(temperature=0, seed=2))
+    assert a.tokens == b.tokens
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(engine):
+    params = dict(temperature=1.5, top_k=100)
+    a = engine.generate(PROMPT, 12, SamplingParams(seed=7, **params))
+    b = engine.generate(PROMPT, 12, SamplingParams(seed=7, **params))
+    c = engine.generate(PROMPT, 12, SamplingParams(seed=8, **params))
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_top_k_never_leaves_the_k_best():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).repeat(500, 1)  # (2000, 50)
+    allowed = torch.topk(logits, 5, dim=-1).indices
+    gen = torch.Generator().manual_seed(0)
+    tokens = sample(logits, SamplingParams(temperature=2.0, top_k=5), gen)
+    assert bool((allowed == tokens[:, None]).any(-1).all())
+    assert len(set(tokens[:4 * 50].tolist())) > 5  # it does sample, not just take the argmax
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05])
+    logits = probs.log().repeat(2000, 1)
+    tokens = sample(logits, SamplingParams(temperature=1.0, top_p=0.75), torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75: the tail is cut, both heads appear
+    tokens = sample(logits, SamplingParams(temperature=1.0, top_p=0.85), torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(16, 30, generator=torch.Generator().manual_seed(1))
+    tokens = sample(logits, SamplingParams(temperature=1.0, top_k=1), torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_stop_token_and_max_tokens(engine):
+    free = engine.generate(PROMPT[:1], 10)
+    assert len(free.tokens[0]) == 10
+    stop = free.tokens[0][3]
+    stopped = engine.generate(PROMPT[:1], 10, stop_ids=[stop])
+    first = free.tokens[0].index(stop)
+    assert stopped.tokens[0] == free.tokens[0][: first + 1]
+
+
+def test_streaming_callback_sees_every_token(engine):
+    seen = []
+    result = engine.generate(PROMPT, 5, on_token=lambda t: seen.append(t.tolist()))
+    assert [list(col) for col in zip(*result.tokens)] == seen
+
+
+def test_prompt_longer_than_cache_is_an_error(engine):
+    with pytest.raises(LadderError, match="exceeds the model's max_seq_len 128"):
+        engine.generate(torch.zeros(1, 120, dtype=torch.long), 20)
+    with pytest.raises(LadderError, match="exceeds the KV cache of 16 tokens"):
+        engine.generate(PROMPT, 20, max_seq=16)
+
+
+def test_out_of_vocabulary_prompt_is_an_error(engine):
+    with pytest.raises(LadderError, match=r"\[0, 256\)"):
+        engine.generate(torch.tensor([[1, 999]]), 2)
+
+
+def test_compiled_decode_equals_eager():
+    model = make_model(tiny(layout="ladder", ladder_layers=2))
+    eager = Engine(model).generate(PROMPT, 6).tokens
+    compiled = Engine(model, compile=True).generate(PROMPT, 6).tokens
+    assert compiled == eager
