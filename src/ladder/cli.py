@@ -17,6 +17,11 @@ from ladder.errors import LadderError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# The default `ladder bench` is the README's run command: a few minutes on a 2-core CPU.
+BENCH_DEFAULTS = {"preset": "tiny", "layouts": "standard,parallel,ladder,upper-bound", "tp": "1,2",
+                  "batch_sizes": "1,4", "prompt_len": 64, "gen_len": 32, "warmup": 1, "runs": 3,
+                  "interconnect": "real", "link_scale": 1.0, "out": "results/bench.jsonl"}
+
 
 # ---- model selection shared by every subcommand ---------------------------------------------------
 
@@ -163,6 +168,62 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench ----------------------------------------------------------------------------------------
+
+def parse_list(text: str, kind: type = str, flag: str = "") -> list:
+    try:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LadderError(f"{flag} expects a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    if not items:
+        raise LadderError(f"{flag} is empty")
+    return items
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ladder.bench import format_summary, run_sweep, summarise, sweep_points
+    from ladder.interconnect import get_link
+
+    links = [get_link(name, args.link_latency_us, args.link_bandwidth_gbps)
+             for name in parse_list(args.interconnect, str, "--interconnect")]
+    points = sweep_points(
+        presets=parse_list(args.preset, str, "--preset"),
+        layouts=parse_list(args.layouts, str, "--layouts"),
+        tps=parse_list(args.tp, int, "--tp"),
+        batch_sizes=parse_list(args.batch_sizes, int, "--batch-sizes"),
+        links=links, prompt_len=args.prompt_len, gen_len=args.gen_len, warmup=args.warmup, runs=args.runs,
+        device=args.device, dtype=args.dtype, compile=args.compile, seed=args.seed,
+        link_scale=args.link_scale, ladder_layers=args.ladder_layers)
+    out = Path(args.out)
+    print(f"ladder bench: {len(points)} configurations, random weights, prompt {args.prompt_len}, "
+          f"{args.gen_len} new tokens, {args.warmup} warm-up + {args.runs} measured runs each -> {out}",
+          flush=True)
+    for link in links:
+        if link is not None:
+            print(f"  emulated link {link.name}: {link.latency_us:.1f} us + bytes / {link.bandwidth_gbps:.1f} GB/s "
+                  f"(x{args.link_scale:g}); {link.source}", flush=True)
+    records = run_sweep(points, out, progress=not args.no_progress)
+    if records:
+        print(format_summary(summarise(records)))
+        failed = sum(r["status"] != "ok" for r in records)
+        print(f"{len(records) - failed} configurations measured, {failed} failed; results appended to {out}")
+    return 0
+
+
+def cmd_bench_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ladder.bench import read_results
+    from ladder.plots import plot_bench
+
+    records = read_results(Path(args.results))
+    for path in plot_bench(records, Path(args.out_dir) if args.out_dir else None, Path(args.results)):
+        print(path)
+    return 0
+
+
 # ---- entry point ----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,10 +242,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-ids", help="comma-separated ids that end a sequence")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="throughput sweep over layouts x TP x batch (see also: ladder bench plot)")
+    b.add_argument("--preset", default=BENCH_DEFAULTS["preset"], help="model shape(s), comma-separated")
+    b.add_argument("--layouts", default=BENCH_DEFAULTS["layouts"], help="comma-separated layouts")
+    b.add_argument("--ladder-layers", type=int, metavar="N", help="for the ladder layout: ladder on the last N layers")
+    b.add_argument("--tp", default=BENCH_DEFAULTS["tp"], help="comma-separated TP degrees")
+    b.add_argument("--batch-sizes", default=BENCH_DEFAULTS["batch_sizes"], help="comma-separated batch sizes")
+    b.add_argument("--prompt-len", type=int, default=BENCH_DEFAULTS["prompt_len"])
+    b.add_argument("--gen-len", type=int, default=BENCH_DEFAULTS["gen_len"])
+    b.add_argument("--warmup", type=int, default=BENCH_DEFAULTS["warmup"], help="warm-up runs (excluded)")
+    b.add_argument("--runs", type=int, default=BENCH_DEFAULTS["runs"], help="measured runs")
+    b.add_argument("--interconnect", default=BENCH_DEFAULTS["interconnect"],
+                   help="real (torch.distributed), nvlink-h100, pcie-p2p, pcie-no-p2p, infiniband-ndr or "
+                        "custom; comma-separated to compare")
+    b.add_argument("--link-latency-us", type=float, help="custom link: latency per all-reduce (us)")
+    b.add_argument("--link-bandwidth-gbps", type=float, help="custom link: bus bandwidth (GB/s)")
+    b.add_argument("--link-scale", type=float, default=BENCH_DEFAULTS["link_scale"],
+                   help="multiply emulated link times (keep a GPU's compute:communication ratio on a slower device)")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--dtype", choices=list(DTYPES))
+    b.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on GPU)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default=BENCH_DEFAULTS["out"], help="JSON-lines results file (appended)")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+    bp = sub.add_parser("bench-plot", help="draw the pictures of a results file (also: ladder bench plot FILE)")
+    bp.add_argument("results", help="a results .jsonl file written by ladder bench")
+    bp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: beside the results)")
+    bp.set_defaults(func=cmd_bench_plot)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "plot"]:  # `ladder bench plot FILE` reads better than a separate command
+        argv = ["bench-plot", *argv[2:]]
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -174,6 +174,8 @@ PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden=1536,
                                 vocab_size=49152, rope_theta=100000.0, max_seq_len=8192,
                                 tie_embeddings=True, source="HuggingFaceTB/SmolLM2-135M"),
+    "llama-160m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_hidden=3072,
+                              vocab_size=32000, max_seq_len=2048, source="JackFram/llama-160m (CPU benchmarks)"),
     # The paper's from-scratch shapes (its section 4.1); key/value heads are not given, so full MHA.
     "1b": ModelConfig(dim=1536, n_layers=40, n_heads=24, n_kv_heads=24, ffn_hidden=4096,
                       vocab_size=49152, max_seq_len=2048, source="ladder paper 1.2B (FineWeb-edu)"),

@@ -48,19 +48,20 @@ def _worker(fn: Callable[..., T], error_dir: str, args: tuple[Any, ...]) -> T:
         raise SystemExit(1)
 
 
-def launch(fn: Callable[..., T], nproc: int, *args: Any) -> dict[int, T]:
+def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False) -> dict[int, T]:
     """Run `fn(*args)` on `nproc` ranks and return {rank: result}.
 
     Under torchrun the current process is one rank: `fn` runs once here and the dict has one entry.
     `fn` must be a module-level function (workers are spawned) and sets up its own process group
-    with `ladder.distributed.init_distributed()`.
+    with `ladder.distributed.init_distributed()`. `isolate`: run even a single rank in a fresh
+    process (clean peak-memory readings, and a crash or out-of-memory kill cannot take us down).
     """
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if nproc not in (1, world):
             raise LadderError(f"--tp {nproc} disagrees with torchrun's WORLD_SIZE={world}")
         return {int(os.environ["RANK"]): fn(*args)}
-    if nproc == 1:
+    if nproc == 1 and not isolate:
         return {0: fn(*args)}
     cpus = os.cpu_count() or 1
     if not torch.cuda.is_available() and nproc > 8 * cpus:

@@ -1,0 +1,364 @@
+"""`ladder bench`: the paper's throughput protocol over layouts x TP x batch, on real or emulated links.
+
+Protocol (the paper's, gpt-fast style): random weights, one synthetic prompt repeated over the batch,
+`gen_len` new tokens with top-k 200 / temperature 0.8, warm-up runs excluded, devices synchronised
+before clocks are read, tokens/s = batch * gen_len / (prefill + decode).
+
+Each configuration runs in its own worker processes (real interconnect: `tp` ranks; emulated: one
+process holding rank 0's exact shard, since every rank does the same work) and its result is
+appended to the JSON-lines file and flushed before the next one starts, so a sweep that dies keeps
+everything measured so far. A configuration that fails (out of memory, a crash) is recorded as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ladder.config import ModelConfig, get_preset
+from ladder.errors import LadderError
+from ladder.interconnect import EmulatedCommunicator, LinkModel
+
+SCHEMA_VERSION = 1
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class BenchPoint:
+    """One configuration of a sweep."""
+
+    preset: str
+    layout: str
+    tp: int
+    batch_size: int
+    prompt_len: int
+    gen_len: int
+    link: LinkModel | None = None  # None: the real interconnect (torch.distributed)
+    link_scale: float = 1.0
+    ladder_layers: int | None = None
+    warmup: int = 1
+    runs: int = 3
+    device: str = "auto"
+    dtype: str | None = None
+    compile: bool = False
+    seed: int = 0
+    top_k: int = 200
+    temperature: float = 0.8
+
+    @property
+    def emulated(self) -> bool:
+        return self.link is not None
+
+    @property
+    def interconnect(self) -> str:
+        return self.link.name if self.link else "real"
+
+    def config(self) -> ModelConfig:
+        changes: dict[str, Any] = {"layout": self.layout}
+        if self.ladder_layers is not None:
+            changes["ladder_layers"] = self.ladder_layers
+        config = get_preset(self.preset, **changes)
+        config.check_tp(self.tp)
+        return config
+
+    def describe(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["link"] = self.link.to_dict() if self.link else None
+        d["interconnect"] = self.interconnect
+        d["emulated"] = self.emulated
+        return d
+
+
+# ---- memory estimate (to refuse what cannot fit, before launching) -------------------------------
+
+def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, seq: int, dtype_bytes: int) -> int:
+    """Weights of one rank plus its KV cache and the largest activations, in bytes."""
+    kv_heads = max(1, config.n_kv_heads // tp)
+    weights = (config.n_params() - config.vocab_size * config.dim) / tp + config.vocab_size * config.dim
+    kv_cache = 2 * config.n_layers * batch * kv_heads * seq * config.head_dim
+    logits = batch * seq * config.vocab_size  # prefill logits, the largest activation
+    return int((weights + kv_cache + logits) * dtype_bytes)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(point: BenchPoint, device: torch.device) -> None:
+    config = point.config()
+    dtype = point.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    procs_per_host = point.tp if not point.emulated and device.type == "cpu" else 1
+    need = estimate_memory_bytes(config, point.tp, point.batch_size, point.prompt_len + point.gen_len,
+                                 DTYPE_BYTES[dtype]) * procs_per_host
+    have = available_memory_bytes(device)
+    if need > 0.9 * have:
+        raise LadderError(f"{point.preset} at tp={point.tp}, batch {point.batch_size}, "
+                          f"{point.prompt_len}+{point.gen_len} tokens needs about {need / 2**30:.1f} GiB; "
+                          f"this {device.type} has {have / 2**30:.1f} GiB")
+
+
+# ---- one configuration, on each rank --------------------------------------------------------------
+
+def bench_on_rank(point: BenchPoint) -> dict[str, Any] | None:
+    """Measure one configuration. Returns the result on rank 0, None on the others."""
+    from ladder.distributed import init_distributed, pick_device, shutdown_distributed
+    from ladder.engine import Engine, SamplingParams, synchronize
+    from ladder.weights import build_model, init_local_shard
+
+    config = point.config()
+    if point.emulated:
+        device = pick_device(point.device)
+        comm = EmulatedCommunicator(point.link, point.tp, device, point.link_scale)
+        rank = 0
+    else:
+        ctx = init_distributed(point.device)
+        device, comm, rank = ctx.device, ctx.communicator(), ctx.rank
+    try:
+        check_fits(point, device)
+        dtype_name = point.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        model = build_model(config, comm, device, getattr(torch, dtype_name))
+        init_local_shard(model, point.seed)
+        engine = Engine(model, compile=point.compile)
+        gen = torch.Generator().manual_seed(point.seed)
+        prompt = torch.randint(0, config.vocab_size, (1, point.prompt_len), generator=gen)
+        prompt = prompt.repeat(point.batch_size, 1)  # one synthetic prompt repeated over the batch
+        sampling = SamplingParams(temperature=point.temperature, top_k=point.top_k, seed=point.seed)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(point.warmup):
+            engine.generate(prompt, point.gen_len, sampling)
+        if isinstance(comm, EmulatedCommunicator):
+            comm.modelled_s, comm.count = 0.0, 0
+        runs = []
+        for _ in range(point.runs):
+            synchronize(device)
+            runs.append(engine.generate(prompt, point.gen_len, sampling))
+        if rank != 0:
+            return None
+        return _result(point, config, model, device, dtype_name, runs, comm)
+    finally:
+        if not point.emulated:
+            shutdown_distributed()
+
+
+def _result(point: BenchPoint, config: ModelConfig, model: torch.nn.Module, device: torch.device,
+            dtype_name: str, runs: list, comm: object) -> dict[str, Any]:
+    prefill = [r.prefill_s for r in runs]
+    decode = [r.decode_s for r in runs]
+    latencies = sorted(t for r in runs for t in r.token_latencies_s)
+    tokens_per_s = [point.batch_size * point.gen_len / (p + d) for p, d in zip(prefill, decode)]
+    step_s = statistics.median(latencies) if latencies else float("nan")
+    # Bytes one decode step must read: this rank's weights plus the KV cache at mid-generation.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_heads = model.shard.n_kv_heads
+    mid_len = point.prompt_len + point.gen_len // 2
+    kv_bytes = 2 * config.n_layers * point.batch_size * kv_heads * mid_len * config.head_dim * DTYPE_BYTES[dtype_name]
+    if device.type == "cuda":
+        peak, peak_kind = torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
+    else:
+        peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_max_rss"
+    result: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "status": "ok",
+        **point.describe(),
+        "layout_name": config.layout_name,
+        "model": {k: getattr(config, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                                                  "vocab_size")} | {"n_params": config.n_params()},
+        "dtype": dtype_name,
+        "prefill_s": statistics.mean(prefill),
+        "decode_s": statistics.mean(decode),
+        "total_s": statistics.mean(prefill) + statistics.mean(decode),
+        "tokens_per_s": statistics.mean(tokens_per_s),
+        "tokens_per_s_runs": tokens_per_s,
+        "tokens_per_s_per_device": statistics.mean(tokens_per_s) / point.tp,
+        "decode_token_latency_ms": _percentiles([t * 1e3 for t in latencies]),
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+        "weight_bytes_per_rank": weight_bytes,
+        "achieved_bandwidth_gbps": (weight_bytes + kv_bytes) / step_s / 1e9,
+        "env": environment(device),
+    }
+    if isinstance(comm, EmulatedCommunicator):
+        result["modelled_comm_s_per_run"] = comm.modelled_s / max(point.runs, 1)
+        result["all_reduces_per_run"] = comm.count // max(point.runs, 1)
+    return result
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"mean": statistics.mean(values), "p50": q[49], "p90": q[89], "p99": q[98], "n": len(values)}
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    from ladder import __version__
+    env: dict[str, Any] = {
+        "ladder": __version__,
+        "git_commit": _git_commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=Path(__file__).parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ---- the sweep ------------------------------------------------------------------------------------
+
+def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[int], batch_sizes: Sequence[int],
+                 links: Sequence[LinkModel | None], **common: Any) -> list[BenchPoint]:
+    """Every combination, validated up front (unknown names and impossible TP degrees fail at once)."""
+    points = [BenchPoint(preset=p, layout=layout, tp=tp, batch_size=b, link=link, **common)
+              for p in presets for link in links for tp in tps for b in batch_sizes for layout in layouts]
+    for point in points:
+        point.config()
+        if point.batch_size < 1 or point.prompt_len < 1 or point.gen_len < 1:
+            raise LadderError("batch sizes, --prompt-len and --gen-len must be >= 1")
+        if point.prompt_len + point.gen_len > point.config().max_seq_len:
+            raise LadderError(f"--prompt-len {point.prompt_len} + --gen-len {point.gen_len} exceeds "
+                              f"{point.preset}'s max_seq_len {point.config().max_seq_len}")
+    return points
+
+
+def run_point(point: BenchPoint) -> dict[str, Any]:
+    """Measure one configuration in fresh worker processes; a failure becomes a `failed` record."""
+    from ladder.launch import launch, under_torchrun
+
+    nproc = 1 if point.emulated else point.tp
+    try:
+        if under_torchrun() and point.emulated:
+            result = bench_on_rank(point)  # every rank measures its own copy; rank 0 reports
+        else:
+            results = launch(bench_on_rank, nproc, point, isolate=True)
+            result = results.get(0)
+    except LadderError as exc:
+        return {"schema": SCHEMA_VERSION, "status": "failed", "error": str(exc), **point.describe()}
+    if result is None:  # a non-zero rank under torchrun
+        return {}
+    return result
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one record and make sure it is on disk before the next configuration starts."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    records = []
+    bar = tqdm(points, desc="bench", unit="config", disable=not (progress and is_main), dynamic_ncols=True)
+    for point in bar:
+        bar.set_postfix_str(f"{point.preset} {point.layout} tp={point.tp} bs={point.batch_size} "
+                            f"{point.interconnect}")
+        record = run_point(point)
+        if record and is_main:
+            append_jsonl(out, record)
+            records.append(record)
+            if record["status"] != "ok":
+                bar.write(f"failed: {point.layout} tp={point.tp} bs={point.batch_size}: {record['error']}")
+    return records
+
+
+# ---- reading results back -------------------------------------------------------------------------
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise LadderError(f"no results file at {path}")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise LadderError(f"{path}:{n} is not a JSON line") from None
+    return records
+
+
+def group_key(r: dict[str, Any]) -> tuple:
+    """Results comparable with each other: same model, link, TP, batch and lengths."""
+    return (r["preset"], r["interconnect"], r.get("link_scale", 1.0), r["tp"], r["batch_size"],
+            r["prompt_len"], r["gen_len"], r.get("device"), bool(r.get("compile")))
+
+
+def layout_label(r: dict[str, Any]) -> str:
+    if r["layout"] == "ladder" and r.get("ladder_layers") is not None:
+        return f"ladder[{r['ladder_layers']}]"
+    return r["layout"]
+
+
+def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per comparable group: every layout's speedup over standard, and for ladder the fraction of
+    communication hidden, (t_standard - t_ladder) / (t_standard - t_upper_bound)."""
+    groups: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in records:
+        if r.get("status") == "ok":
+            groups.setdefault(group_key(r), {})[layout_label(r)] = r
+    rows = []
+    for key, by_layout in groups.items():
+        standard, upper = by_layout.get("standard"), by_layout.get("upper-bound")
+        for label, r in by_layout.items():
+            row = {"preset": key[0], "interconnect": key[1], "emulated": r["emulated"], "tp": key[3],
+                   "batch_size": key[4], "layout": label, "tokens_per_s": r["tokens_per_s"],
+                   "speedup": None, "hidden": None}
+            if standard:
+                row["speedup"] = r["tokens_per_s"] / standard["tokens_per_s"]
+                if label.startswith("ladder") and upper:
+                    t_std, t_lad, t_ub = standard["total_s"], r["total_s"], upper["total_s"]
+                    if t_std - t_ub > 0:
+                        row["hidden"] = (t_std - t_lad) / (t_std - t_ub)
+            rows.append(row)
+    order = {"standard": 0, "parallel": 1, "ladder": 2, "desync": 3, "upper-bound": 4}
+    rows.sort(key=lambda r: (r["preset"], r["interconnect"], r["tp"], r["batch_size"],
+                             order.get(r["layout"].split("[")[0], 9), r["layout"]))
+    return rows
+
+
+def format_summary(rows: list[dict[str, Any]]) -> str:
+    header = f"{'preset':<14}{'interconnect':<22}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'speedup':>9}{'hidden':>8}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        link = r["interconnect"] + (" (emulated)" if r["emulated"] else "")
+        speed = f"{r['speedup']:.3f}" if r["speedup"] is not None else "-"
+        hidden = f"{r['hidden']:.2f}" if r["hidden"] is not None else ""
+        lines.append(f"{r['preset']:<14}{link:<22}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
+                     f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}")
+    return "\n".join(lines)
