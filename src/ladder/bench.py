@@ -242,8 +242,12 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
     """Every combination, validated up front (unknown names and impossible TP degrees fail at once)."""
     points = [BenchPoint(preset=p, layout=layout, tp=tp, batch_size=b, link=link, **common)
               for p in presets for link in links for tp in tps for b in batch_sizes for layout in layouts]
+    from ladder.launch import check_launchable
+
     for point in points:
         point.config()
+        if not point.emulated:
+            check_launchable(point.tp)
         if point.batch_size < 1 or point.prompt_len < 1 or point.gen_len < 1:
             raise LadderError("batch sizes, --prompt-len and --gen-len must be >= 1")
         if point.prompt_len + point.gen_len > point.config().max_seq_len:

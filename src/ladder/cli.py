@@ -18,7 +18,7 @@ from ladder.errors import LadderError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # The default `ladder bench` is the README's run command: a few minutes on a 2-core CPU.
-BENCH_DEFAULTS = {"preset": "tiny", "layouts": "standard,parallel,ladder,upper-bound", "tp": "1,2",
+BENCH_DEFAULTS = {"preset": "llama-160m", "layouts": "standard,parallel,ladder,upper-bound", "tp": "2",
                   "batch_sizes": "1,4", "prompt_len": 64, "gen_len": 32, "warmup": 1, "runs": 3,
                   "interconnect": "real", "link_scale": 1.0, "out": "results/bench.jsonl"}
 
@@ -224,6 +224,44 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- predict --------------------------------------------------------------------------------------
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import json
+
+    from ladder.costmodel import fitted_constants, get_gpu, predict_table, validate
+    from ladder.interconnect import get_link
+
+    if args.validate:
+        report = validate(fitted_constants())
+        print("cost model vs the paper's Llama-3-70B H100 table, held-out batch sizes "
+              f"{report['held_out_batches']} (fitted on {report['train_batches']}):")
+        print(f"{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}")
+        for p in report["points"]:
+            print(f"{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}{p['predicted']:>11.3f}"
+                  f"{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
+        within = sum(p["within"] for p in report["points"])
+        print(f"{within}/{len(report['points'])} within {report['tolerance']} of the published ladder/standard "
+              f"speedup ({report['fraction_within']:.0%}); * marks the others")
+        return 0
+    link = get_link(args.interconnect, args.link_latency_us, args.link_bandwidth_gbps)
+    if link is None:
+        raise LadderError("ladder predict needs a link model: --interconnect nvlink-h100, pcie-no-p2p, ... or custom")
+    rows = predict_table(args.preset, get_gpu(args.gpu), link, args.tp,
+                         parse_list(args.batch_sizes, int, "--batch-sizes"), parse_list(args.layouts, str, "--layouts"),
+                         args.prompt_len, args.gen_len)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    print(f"predicted (cost model, not measured): {args.preset} on {args.gpu} x{args.tp}, {link.name}, "
+          f"prompt {args.prompt_len}, {args.gen_len} new tokens")
+    print(f"{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'speedup':>9}")
+    for r in rows:
+        print(f"{r['batch_size']:>6}  {r['layout']:<12}{r['tokens_per_s']:>10.1f}{r['speedup']:>9.3f}")
+    return 0
+
+
 # ---- entry point ----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,6 +305,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=BENCH_DEFAULTS["out"], help="JSON-lines results file (appended)")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("predict", help="predict tokens/s per layout from a roofline + link cost model")
+    pr.add_argument("--preset", default="llama-3-70b")
+    pr.add_argument("--gpu", default="h100", help="h100, h200 or a100")
+    pr.add_argument("--interconnect", default="nvlink-h100")
+    pr.add_argument("--link-latency-us", type=float)
+    pr.add_argument("--link-bandwidth-gbps", type=float)
+    pr.add_argument("--tp", type=int, default=8)
+    pr.add_argument("--batch-sizes", default="1,4,16,64")
+    pr.add_argument("--layouts", default="standard,parallel,ladder,upper-bound")
+    pr.add_argument("--prompt-len", type=int, default=1024)
+    pr.add_argument("--gen-len", type=int, default=512)
+    pr.add_argument("--json", action="store_true", help="one JSON line per prediction")
+    pr.add_argument("--validate", action="store_true", help="compare with the paper's held-out table points")
+    pr.set_defaults(func=cmd_predict)
 
     bp = sub.add_parser("bench-plot", help="draw the pictures of a results file (also: ladder bench plot FILE)")
     bp.add_argument("results", help="a results .jsonl file written by ladder bench")

@@ -15,6 +15,8 @@ values are not, so emulated results are always labelled as emulated.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from dataclasses import asdict, dataclass
 
@@ -27,54 +29,92 @@ from ladder.errors import LadderError
 @dataclass(frozen=True)
 class LinkModel:
     name: str
-    latency_us: float  # per all-reduce, independent of size
+    latency_us: float  # per all-reduce over 2 ranks, independent of size
     bandwidth_gbps: float  # bus bandwidth in GB/s (10^9 bytes per second)
+    latency_per_rank_us: float = 0.0  # extra latency per rank beyond 2 (more ring/tree steps)
     source: str = ""
+
+    def latency_s(self, world_size: int) -> float:
+        return (self.latency_us + self.latency_per_rank_us * (world_size - 2)) * 1e-6
 
     def all_reduce_s(self, n_bytes: int, world_size: int) -> float:
         """Modelled duration of a ring all-reduce of `n_bytes` over `world_size` ranks, in seconds."""
         if world_size <= 1:
             return 0.0
         traffic = 2 * (world_size - 1) / world_size * n_bytes
-        return self.latency_us * 1e-6 + traffic / (self.bandwidth_gbps * 1e9)
+        return self.latency_s(world_size) + traffic / (self.bandwidth_gbps * 1e9)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-def _fit_two_points(small: tuple[int, float], large: tuple[int, float], world: int) -> tuple[float, float]:
-    """(latency_us, bandwidth_gbps) of the line through two (bytes, microseconds) all-reduce timings."""
-    ring = 2 * (world - 1) / world
-    (b1, t1), (b2, t2) = small, large
-    bandwidth = ring * (b2 - b1) / ((t2 - t1) * 1e-6) / 1e9
-    latency = t1 - ring * b1 / (bandwidth * 1e9) * 1e6
-    return latency, bandwidth
+Collectives = list[tuple[float, int]]  # (how many, bytes each) all-reduces of one measurement
 
 
-# Calibration from the ladder paper (ICML 2025) on 8x H100 SXM, fp16:
-#  * its NCCL measurement: an all-reduce of 1M fp32 elements (4 MiB) takes 0.0786 ms with P2P (NVLink)
-#    and 0.1354 ms with NCCL_P2P_DISABLE=1;
-#  * its Llama-3-70B table at batch 1, TP 8: standard minus upper-bound time per generated token,
-#    divided by the 161 all-reduces of a token (2 per layer + 1), gives the cost of a 16 KiB
-#    all-reduce (1 x 8192 fp16): 1/77.39 - 1/110.59 s -> 24.2 us (P2P on); 1/51.66 - 1/110.59 s -> 64.1 us
-#    (P2P off; upper bound has no communication, so its time does not depend on P2P).
-_MIB4 = 4 * 1024 * 1024
-_KIB16 = 16 * 1024
-_ON = _fit_two_points((_KIB16, (1 / 77.39 - 1 / 110.59) / 161 * 1e6), (_MIB4, 78.6), 8)
-_OFF = _fit_two_points((_KIB16, (1 / 51.66 - 1 / 110.59) / 161 * 1e6), (_MIB4, 135.4), 8)
+def fit_link(name: str, measurements: list[tuple[int, Collectives, float]], source: str) -> LinkModel:
+    """Least-squares link model through measurements (world_size, all-reduces, total microseconds):
+    each says that running those all-reduces took that long. Linear in (latency, per-rank latency,
+    1 / bandwidth), so this is one linear least-squares solve."""
+    rows, totals = [], []
+    for n, collectives, total_us in measurements:
+        count = sum(c for c, _ in collectives)
+        traffic = sum(c * 2 * (n - 1) / n * b for c, b in collectives)
+        rows.append([count, count * (n - 2.0), traffic])
+        totals.append(total_us)
+    a = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(totals, dtype=torch.float64)
+    weight = 1.0 / y  # relative errors: small and large measurements count alike
+    a, y = a * weight[:, None], y * weight
+    scale = a.abs().max(dim=0).values  # columns differ by orders of magnitude
+    sol = torch.linalg.lstsq(a / scale, y[:, None]).solution[:, 0] / scale
+    latency, per_rank, us_per_byte = (float(v) for v in sol)
+    return LinkModel(name, latency, 1.0 / us_per_byte / 1e3, per_rank, source)
 
-LINKS: dict[str, LinkModel] = {
-    "nvlink-h100": LinkModel("nvlink-h100", *_ON,
-                             "ladder paper, 8x H100 NVLink: NCCL 4 MiB all-reduce 78.6 us + 70B TP8 bs1 gap"),
-    "pcie-no-p2p": LinkModel("pcie-no-p2p", *_OFF,
-                             "ladder paper, 8x H100 with NCCL_P2P_DISABLE=1: 4 MiB in 135.4 us + 70B TP8 bs1 gap"),
-    # PCIe Gen5 x16 peer-to-peer: ~50 GB/s per direction; NCCL ring bus bandwidth over a PCIe switch is
-    # typically ~40 GB/s, small-message latency ~20 us (NCCL tests on PCIe H100 systems, order of magnitude).
-    "pcie-p2p": LinkModel("pcie-p2p", 20.0, 40.0, "PCIe Gen5 P2P: ~40 GB/s ring bus bandwidth, ~20 us latency"),
-    # InfiniBand NDR: 400 Gb/s = 50 GB/s per port; cross-node all-reduce latency ~ 30 us (NCCL over IB).
-    "infiniband-ndr": LinkModel("infiniband-ndr", 30.0, 45.0,
-                                "InfiniBand NDR 400 Gb/s: ~45 GB/s achievable, ~30 us latency"),
-}
+
+CALIBRATION_BATCHES = (1, 64)  # the cost model is judged on the other batch sizes of the table
+
+
+def _paper_measurements(p2p: str) -> list[tuple[int, Collectives, float]]:
+    """All-reduce timings implied by the ladder paper (ICML 2025), 8x H100 SXM, fp16:
+    * its NCCL measurement: 1M fp32 elements (4 MiB) on 8 GPUs take 78.6 us with P2P (NVLink) and
+      135.4 us with NCCL_P2P_DISABLE=1;
+    * its Llama-3-70B rows at batch 1 and 64: the time standard takes beyond upper bound is the time
+      of its 160 all-reduces per forward (2 per layer; gpt-fast shards attention and MLP only), over
+      one prefill of batch x 1024 tokens and 512 decode steps of batch tokens, each message
+      tokens x 8192 x 2 bytes. Upper bound does not
+      communicate, so its P2P-on time serves both conditions."""
+    from ladder.costmodel import paper_table  # the packaged CSV
+
+    rows = {(r["layout"], r["tp"], r["batch_size"], r["p2p"]): r for r in paper_table()}
+    out: list[tuple[int, Collectives, float]] = [(8, [(1, 4 * 2**20)], 78.6 if p2p == "on" else 135.4)]
+    for (layout, tp, batch, cond), r in rows.items():
+        if layout != "standard" or cond != p2p or batch not in CALIBRATION_BATCHES:
+            continue
+        upper = rows[("upper-bound", tp, batch, "on")]
+        tokens = batch * r["gen_len"]
+        gap_us = (tokens / r["tokens_per_s"] - tokens / upper["tokens_per_s"]) * 1e6
+        message = 8192 * 2
+        out.append((tp, [(160, batch * r["prompt_len"] * message), (160 * r["gen_len"], batch * message)], gap_us))
+    return out
+
+
+@functools.cache
+def link_presets() -> dict[str, LinkModel]:
+    """The named links of `--interconnect`, with where each number comes from."""
+    return {
+        "nvlink-h100": fit_link("nvlink-h100", _paper_measurements("on"),
+                                "ladder paper, 8x H100 NVLink: NCCL 4 MiB all-reduce + 70B standard-vs-upper-bound "
+                                "gaps at batch 1 and 64"),
+        "pcie-no-p2p": fit_link("pcie-no-p2p", _paper_measurements("off"),
+                                "ladder paper, 8x H100, NCCL_P2P_DISABLE=1: NCCL 4 MiB all-reduce + 70B gaps at "
+                                "batch 1 and 64"),
+        # PCIe Gen5 x16 peer-to-peer: ~50 GB/s per direction; NCCL ring bus bandwidth through a PCIe
+        # switch ~40 GB/s, small-message latency ~20 us (order of magnitude of NCCL tests on PCIe H100s).
+        "pcie-p2p": LinkModel("pcie-p2p", 20.0, 40.0, 1.0, "PCIe Gen5 P2P: ~40 GB/s bus bandwidth, ~20 us latency"),
+        # InfiniBand NDR: 400 Gb/s = 50 GB/s per port, ~45 achievable; NCCL over IB latency ~30 us.
+        "infiniband-ndr": LinkModel("infiniband-ndr", 30.0, 45.0, 2.0,
+                                    "InfiniBand NDR 400 Gb/s: ~45 GB/s achievable, ~30 us latency"),
+    }
 
 
 def get_link(name: str, latency_us: float | None = None, bandwidth_gbps: float | None = None) -> LinkModel | None:
@@ -86,14 +126,16 @@ def get_link(name: str, latency_us: float | None = None, bandwidth_gbps: float |
             raise LadderError("--interconnect custom needs --link-latency-us and --link-bandwidth-gbps")
         if latency_us < 0 or bandwidth_gbps <= 0:
             raise LadderError(f"link latency must be >= 0 and bandwidth > 0, got {latency_us} us, {bandwidth_gbps} GB/s")
-        return LinkModel("custom", latency_us, bandwidth_gbps, "given on the command line")
-    if name not in LINKS:
-        raise LadderError(f"unknown interconnect {name!r}; known: real, custom, {', '.join(LINKS)}")
-    link = LINKS[name]
+        return LinkModel("custom", latency_us, bandwidth_gbps, source="given on the command line")
+    presets = link_presets()
+    if name not in presets:
+        raise LadderError(f"unknown interconnect {name!r}; known: real, custom, {', '.join(presets)}")
+    link = presets[name]
     if latency_us is not None or bandwidth_gbps is not None:
-        link = LinkModel(link.name + "*", latency_us if latency_us is not None else link.latency_us,
-                         bandwidth_gbps if bandwidth_gbps is not None else link.bandwidth_gbps,
-                         link.source + " (overridden)")
+        link = dataclasses.replace(
+            link, name=link.name + "*", source=link.source + " (overridden)",
+            latency_us=latency_us if latency_us is not None else link.latency_us,
+            bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else link.bandwidth_gbps)
     return link
 
 
@@ -188,4 +230,4 @@ def _sleep_cycles_per_second(device: torch.device) -> float:
     return cycles / (start.elapsed_time(end) / 1e3)
 
 
-__all__ = ["LINKS", "EmulatedCommunicator", "LinkModel", "get_link", "wait_until"]
+__all__ = ["EmulatedCommunicator", "LinkModel", "get_link", "link_presets", "wait_until"]

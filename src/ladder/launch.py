@@ -48,6 +48,18 @@ def _worker(fn: Callable[..., T], error_dir: str, args: tuple[Any, ...]) -> T:
         raise SystemExit(1)
 
 
+def check_launchable(nproc: int) -> None:
+    """Refuse a local launch this machine cannot hold: one GPU per rank, or a few ranks per CPU core."""
+    if under_torchrun():
+        return
+    cpus = os.cpu_count() or 1
+    if not torch.cuda.is_available() and nproc > 8 * cpus:
+        raise LadderError(f"--tp {nproc} needs {nproc} processes; this machine has {cpus} CPU cores "
+                          f"(at most {8 * cpus} ranks can be launched here)")
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise LadderError(f"--tp {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}")
+
+
 def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False) -> dict[int, T]:
     """Run `fn(*args)` on `nproc` ranks and return {rank: result}.
 
@@ -63,12 +75,7 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False) 
         return {int(os.environ["RANK"]): fn(*args)}
     if nproc == 1 and not isolate:
         return {0: fn(*args)}
-    cpus = os.cpu_count() or 1
-    if not torch.cuda.is_available() and nproc > 8 * cpus:
-        raise LadderError(f"--tp {nproc} needs {nproc} processes; this machine has {cpus} CPU cores "
-                          f"(at most {8 * cpus} ranks can be launched here)")
-    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise LadderError(f"--tp {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}")
+    check_launchable(nproc)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -1,0 +1,18 @@
+"""Fit the cost model on the paper's table (batch 1 and 64) and store the constants and the
+held-out validation in src/ladder/data/costmodel-fit.json. Run: .venv/bin/python scripts/fit_costmodel.py"""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ladder.costmodel import fit_on_paper, validate
+
+constants = fit_on_paper()
+report = validate(constants)
+out = Path(__file__).resolve().parent.parent / "src/ladder/data/costmodel-fit.json"
+tmp = out.with_suffix(".tmp")
+tmp.write_text(json.dumps({"constants": asdict(constants), "validation": report}, indent=2) + "\n")
+tmp.replace(out)
+within = sum(p["within"] for p in report["points"])
+print(f"held-out ladder/standard speedup within {report['tolerance']}: {within}/{len(report['points'])} "
+      f"({report['fraction_within']:.0%}) -> {out}")

@@ -1,0 +1,250 @@
+"""`ladder predict`: a roofline cost model of tensor-parallel generation, per residual layout.
+
+Each module (attention or MLP) of one rank costs
+    c = max(bytes / (eta_mem * HBM), flops / (eta_flop * peak)) + module_overhead
+where bytes are its weight shard (+ the KV cache it reads) and flops its matmuls (+ attention), and
+each all-reduce costs the link model's latency + ring traffic / bandwidth (`ladder.interconnect`).
+Per layer, standard pays c_attn + a + c_mlp + a; parallel c_attn + c_mlp + a; upper bound c_attn + c_mlp;
+ladder overlaps each all-reduce with the next module: max(c_j, a_{j-1}) + rho * min(c_j, a_{j-1}), where
+rho is the part of the overlap lost to interference (NCCL kernels take SMs from the matmuls).
+Generation = prefill of the prompt + one decode step per new token at growing context; tokens/s =
+batch * gen_len / total time, as in the paper's protocol.
+
+The five free constants (eta_mem, eta_flop, module_overhead, step_overhead, rho) are fitted on part of
+the paper's Llama-3-70B H100 table (`data/llama3-70b-h100-throughput.csv`) and the model is judged on
+the rest (`validate()`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict, dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+
+from ladder.config import ModelConfig, get_preset
+from ladder.errors import LadderError
+from ladder.interconnect import LinkModel, link_presets
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float  # dense
+    source: str
+
+
+GPUS = {
+    "h100": GPU("h100", 3.35e12, 989e12, "NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16"),
+    "h200": GPU("h200", 4.8e12, 989e12, "NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, 989 TFLOP/s dense BF16"),
+    "a100": GPU("a100", 2.039e12, 312e12, "NVIDIA A100 SXM 80GB datasheet: 2.039 TB/s, 312 TFLOP/s BF16"),
+}
+
+P2P_LINKS = {"on": "nvlink-h100", "off": "pcie-no-p2p"}  # the paper's two conditions
+
+
+def get_gpu(name: str) -> GPU:
+    if name not in GPUS:
+        raise LadderError(f"unknown gpu {name!r}; known: {', '.join(GPUS)}")
+    return GPUS[name]
+
+
+@dataclass(frozen=True)
+class CostConstants:
+    mem_efficiency: float = 0.7  # fraction of HBM bandwidth decode matmuls achieve
+    attention_efficiency: float = 0.3  # fraction of HBM bandwidth decode attention achieves on the KV cache
+    flop_efficiency: float = 0.6  # fraction of peak prefill matmuls achieve
+    module_overhead_us: float = 5.0  # fixed cost of a module (norm, small kernels, launch gaps)
+    step_overhead_us: float = 100.0  # fixed cost of a decode step (head, sampling, graph launch)
+    overlap_penalty: float = 0.2  # rho at batch 1: fraction of the overlapped shorter side not hidden
+    overlap_penalty_growth: float = 0.05  # rho grows by this per doubling of the batch (more NCCL SMs)
+
+
+@dataclass(frozen=True)
+class Workload:
+    config: ModelConfig
+    tp: int
+    batch_size: int
+    prompt_len: int = 1024
+    gen_len: int = 512
+    dtype_bytes: int = 2
+
+
+def _t(x: float | torch.Tensor) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+
+
+def predict_seconds(w: Workload, layout: str, gpu: GPU, link: LinkModel, k: dict[str, torch.Tensor]
+                    ) -> torch.Tensor:
+    """Predicted prefill + decode time (s) of one generation. `k`: the constants as tensors."""
+    c, tp, b, by = w.config, w.tp, w.batch_size, w.dtype_bytes
+    hd = c.head_dim
+    heads, kv = c.n_heads / tp, max(1.0, c.n_kv_heads / tp)
+    attn_params = (c.dim * (heads + 2 * kv) * hd + heads * hd * c.dim)
+    mlp_params = 3 * c.dim * c.ffn_hidden / tp
+    head_params = c.vocab_size * c.dim  # replicated output head
+    mem_bw = k["mem_efficiency"] * gpu.hbm_bytes_per_s
+    flops = k["flop_efficiency"] * gpu.bf16_flops_per_s
+    module_s, step_s = k["module_overhead_us"] * 1e-6, k["step_overhead_us"] * 1e-6
+
+    def roof(n_bytes, n_flops):
+        return torch.maximum(_t(n_bytes) / mem_bw, _t(n_flops) / flops) + module_s
+
+    def all_reduce(n_tokens):
+        return _t(link.all_reduce_s(n_tokens * c.dim * by, tp))
+
+    def combine(c_attn, c_mlp, a):
+        rho = torch.clamp(k["overlap_penalty"] + k["overlap_penalty_growth"] * math.log2(b), max=1.0)
+        L = c.n_layers
+        if layout == "standard":
+            return L * (c_attn + c_mlp + 2 * a)
+        if layout == "parallel":
+            return L * (c_attn + c_mlp + a)
+        if layout == "upper-bound":
+            return L * (c_attn + c_mlp)
+        if layout == "ladder":
+            def hidden(cj, aj):
+                return torch.maximum(cj, aj) + rho * torch.minimum(cj, aj)
+            return L * (hidden(c_attn, a) + hidden(c_mlp, a)) + a  # only the last all-reduce is exposed
+        raise LadderError(f"the cost model knows standard, parallel, ladder and upper-bound, not {layout!r}")
+
+    # prefill: b * P tokens at once (compute-bound), causal attention over P
+    n = b * w.prompt_len
+    pre_attn = roof(by * attn_params, 2 * n * attn_params + 2 * b * heads * w.prompt_len ** 2 * hd)
+    pre_mlp = roof(by * mlp_params, 2 * n * mlp_params)
+    prefill = combine(pre_attn, pre_mlp, all_reduce(n)) + roof(by * head_params, 2 * n * head_params)
+
+    # decode: one token per sequence. Like gpt-fast, the engine attends over the whole static cache
+    # (prompt + gen positions, masked), so every step reads all of it.
+    cache_len = w.prompt_len + w.gen_len
+    kv_bytes = 2 * by * b * kv * cache_len * hd  # K and V of this rank's heads
+    kv_s = kv_bytes / (k["attention_efficiency"] * gpu.hbm_bytes_per_s)
+    dec_attn = roof(by * attn_params, 2 * b * attn_params) + kv_s
+    dec_mlp = roof(by * mlp_params, 2 * b * mlp_params)
+    step = combine(dec_attn, dec_mlp, all_reduce(b)) + roof(by * head_params, 2 * b * head_params) + step_s
+    return prefill + w.gen_len * step
+
+
+def predict_tokens_per_s(w: Workload, layout: str, gpu: GPU, link: LinkModel,
+                         constants: CostConstants) -> float:
+    k = {name: _t(v) for name, v in asdict(constants).items()}
+    return w.batch_size * w.gen_len / float(predict_seconds(w, layout, gpu, link, k))
+
+
+# ---- the paper's table, fitting and validation ------------------------------------------------------
+
+def paper_table() -> list[dict[str, Any]]:
+    """The paper's Llama-3-70B H100 throughput rows (tokens/s per layout, TP, batch, P2P)."""
+    text = resources.files("ladder").joinpath("data/llama3-70b-h100-throughput.csv").read_text()
+    rows = []
+    for r in csv.DictReader(text.splitlines()):
+        rows.append({"layout": r["layout"].replace("_", "-"), "tp": int(r["tp"]),
+                     "batch_size": int(r["batch_size"]), "p2p": r["p2p"], "prompt_len": int(r["prompt_len"]),
+                     "gen_len": int(r["gen_len"]), "tokens_per_s": float(r["tokens_per_s"])})
+    return rows
+
+
+TRAIN_BATCHES = (1, 64)  # fit on the extremes; judge on the batch sizes in between
+HELD_OUT_BATCHES = (4, 16)
+
+
+def _row_workload(r: dict[str, Any]) -> Workload:
+    return Workload(get_preset("llama-3-70b"), r["tp"], r["batch_size"], r["prompt_len"], r["gen_len"])
+
+
+_BOUNDS = {"mem_efficiency": (0.05, 1.0), "attention_efficiency": (0.01, 1.0), "flop_efficiency": (0.05, 1.0),
+           "overlap_penalty": (0.0, 1.0)}
+
+
+def fit(rows: list[dict[str, Any]], gpu: GPU = GPUS["h100"], steps: int = 600) -> CostConstants:
+    """Least squares on log tokens/s over `rows` (Adam on unconstrained parameters; deterministic)."""
+    init = CostConstants()
+    raw = {}
+    for name, value in asdict(init).items():
+        if name in _BOUNDS:
+            lo, hi = _BOUNDS[name]
+            p = (value - lo) / (hi - lo)
+            raw[name] = torch.tensor(math.log(p / (1 - p)), dtype=torch.float64, requires_grad=True)
+        else:
+            raw[name] = torch.tensor(math.log(value), dtype=torch.float64, requires_grad=True)
+
+    def constants() -> dict[str, torch.Tensor]:
+        out = {}
+        for name, v in raw.items():
+            if name in _BOUNDS:
+                lo, hi = _BOUNDS[name]
+                out[name] = lo + (hi - lo) * torch.sigmoid(v)
+            else:
+                out[name] = torch.exp(v)
+        return out
+
+    targets = torch.tensor([math.log(r["tokens_per_s"]) for r in rows], dtype=torch.float64)
+    optimizer = torch.optim.Adam(raw.values(), lr=0.05)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        k = constants()
+        preds = torch.stack([torch.log(r["batch_size"] * r["gen_len"] / predict_seconds(
+            _row_workload(r), r["layout"], gpu, link_presets()[P2P_LINKS[r["p2p"]]], k)) for r in rows])
+        loss = ((preds - targets) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+    return CostConstants(**{name: float(v.detach()) for name, v in constants().items()})
+
+
+FITTED_FILE = "data/costmodel-fit.json"
+
+
+def fit_on_paper() -> CostConstants:
+    """Fit the constants on the training part of the paper's table (batch sizes 1 and 64). ~30 s."""
+    return fit([r for r in paper_table() if r["batch_size"] in TRAIN_BATCHES])
+
+
+def fitted_constants() -> CostConstants:
+    """The stored result of `fit_on_paper()` (written by scripts/fit_costmodel.py, checked by a test)."""
+    text = resources.files("ladder").joinpath(FITTED_FILE).read_text()
+    return CostConstants(**json.loads(text)["constants"])
+
+
+def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: list[int],
+                  layouts: list[str], prompt_len: int, gen_len: int,
+                  constants: CostConstants | None = None) -> list[dict[str, Any]]:
+    """Predicted tokens/s for each (batch, layout), and the speedup over standard."""
+    constants = constants or fitted_constants()
+    config = get_preset(preset)
+    config.check_tp(tp)
+    rows = []
+    for b in batch_sizes:
+        w = Workload(config, tp, b, prompt_len, gen_len)
+        standard = predict_tokens_per_s(w, "standard", gpu, link, constants)
+        for layout in layouts:
+            tps = predict_tokens_per_s(w, layout, gpu, link, constants)
+            rows.append({"preset": preset, "gpu": gpu.name, "interconnect": link.name, "tp": tp, "batch_size": b,
+                         "layout": layout, "tokens_per_s": tps, "speedup": tps / standard})
+    return rows
+
+
+def validate(constants: CostConstants | None = None, tolerance: float = 0.05) -> dict[str, Any]:
+    """Predicted vs published ladder/standard speedup at every held-out (TP, batch, P2P) point."""
+    constants = constants or fitted_constants()
+    table = paper_table()
+    by_key = {(r["layout"], r["tp"], r["batch_size"], r["p2p"]): r["tokens_per_s"] for r in table}
+    points = []
+    for (layout, tp, b, p2p), std in sorted(by_key.items()):
+        if layout != "standard" or b not in HELD_OUT_BATCHES or ("ladder", tp, b, p2p) not in by_key:
+            continue
+        published = by_key[("ladder", tp, b, p2p)] / std
+        w = Workload(get_preset("llama-3-70b"), tp, b)
+        link = link_presets()[P2P_LINKS[p2p]]
+        predicted = (predict_tokens_per_s(w, "ladder", GPUS["h100"], link, constants)
+                     / predict_tokens_per_s(w, "standard", GPUS["h100"], link, constants))
+        points.append({"tp": tp, "batch_size": b, "p2p": p2p, "published": published, "predicted": predicted,
+                       "error": predicted - published, "within": abs(predicted - published) <= tolerance})
+    within = sum(p["within"] for p in points)
+    return {"constants": asdict(constants), "tolerance": tolerance, "points": points,
+            "fraction_within": within / len(points) if points else 0.0,
+            "train_batches": TRAIN_BATCHES, "held_out_batches": HELD_OUT_BATCHES}

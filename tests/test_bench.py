@@ -1,0 +1,133 @@
+"""ladder bench: a short real + emulated sweep, the emulated link's timing, failures kept in the file."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ladder.bench import BenchPoint, read_results, run_sweep, summarise
+from ladder.errors import LadderError
+from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
+
+REQUIRED = {"layout", "preset", "model", "tp", "batch_size", "prompt_len", "gen_len", "interconnect", "emulated",
+            "env", "prefill_s", "decode_s", "tokens_per_s", "decode_token_latency_ms", "peak_memory_bytes",
+            "achieved_bandwidth_gbps", "dtype"}
+
+
+def ladder_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "results.jsonl"
+    args = ["--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--tp", "1,2", "--batch-sizes", "2",
+            "--prompt-len", "8", "--gen-len", "4", "--warmup", "1", "--runs", "2", "--no-progress"]
+    real = ladder_cli("bench", *args, "--interconnect", "real", "--out", str(out))
+    emulated = ladder_cli("bench", *args, "--interconnect", "custom", "--link-latency-us", "300",
+                          "--link-bandwidth-gbps", "1", "--out", str(out))
+    assert real.returncode == 0, real.stderr
+    assert emulated.returncode == 0, emulated.stderr
+    return out, real.stdout + emulated.stdout
+
+
+def test_results_file_is_well_formed(sweep):
+    out, stdout = sweep
+    records = read_results(out)
+    assert len(records) == 12  # appended: 3 layouts x 2 TP x 2 interconnects
+    for r in records:
+        assert r["status"] == "ok", r
+        assert REQUIRED <= set(r), REQUIRED - set(r)
+        assert r["tokens_per_s"] > 0 and r["decode_token_latency_ms"]["p50"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch_size"] * r["gen_len"] / r["total_s"], rel=0.2)
+    emulated = [r for r in records if r["emulated"]]
+    assert len(emulated) == 6 and all(r["interconnect"] == "custom" for r in emulated)
+    assert {r["all_reduces_per_run"] for r in emulated if r["tp"] == 2 and r["layout"] != "upper-bound"} == {4 * 8}  # (prefill + 3 decode steps) x 2 per layer x 4 layers
+    assert "speedup" in stdout and "(emulated)" in stdout
+
+
+def test_summary_speedups_and_hidden_fraction(sweep):
+    rows = summarise(read_results(sweep[0]))
+    ladder = [r for r in rows if r["layout"] == "ladder" and r["tp"] == 2]
+    assert len(ladder) == 2 and all(r["speedup"] is not None for r in ladder)
+    assert all(r["hidden"] is not None for r in ladder)
+    assert all(r["speedup"] == 1.0 for r in rows if r["layout"] == "standard")
+
+
+def test_plot_files(sweep, tmp_path):
+    out = ladder_cli("bench", "plot", str(sweep[0]), "--out-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    for name in ("throughput.png", "speedup.png", "pareto.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# Waits are sleeps on a real clock: a wait overshoots by scheduler latency (tens of microseconds on an
+# idle machine, more under load), never undershoots. 1 ms + 10 % absorbs that on a loaded 2-core CI box.
+def _close(measured: float, modelled: float) -> bool:
+    return modelled <= measured + 1e-4 and measured <= modelled * 1.1 + 1e-3
+
+
+def test_emulated_wait_matches_the_link_model():
+    link = LinkModel("test", latency_us=2000.0, bandwidth_gbps=1.0)
+    comm = EmulatedCommunicator(link, world_size=4, device=torch.device("cpu"))
+    x = torch.zeros(1024, 1024)  # 4 MiB: 2 ms + 1.5 * 4 MiB / 1 GB/s = 8.29 ms
+    modelled = link.all_reduce_s(x.numel() * 4, 4)
+    assert modelled == pytest.approx(2e-3 + 1.5 * 4 * 2**20 / 1e9)
+    for _ in range(3):
+        start = time.perf_counter()
+        comm.all_reduce(x)
+        assert _close(time.perf_counter() - start, modelled)
+
+
+def test_emulated_link_overlaps_compute_and_serialises_collectives():
+    link = LinkModel("test", latency_us=20_000.0, bandwidth_gbps=1000.0)
+    comm = EmulatedCommunicator(link, world_size=2, device=torch.device("cpu"))
+    x = torch.zeros(16)
+    d = link.all_reduce_s(64, 2)
+    start = time.perf_counter()
+    handle = comm.all_reduce_async(x)
+    wait_until(start + 0.6 * d)  # "compute" for 60 % of the all-reduce
+    handle.wait()
+    assert _close(time.perf_counter() - start, d)  # hidden: d, not 1.6 d
+    start = time.perf_counter()
+    first, second = comm.all_reduce_async(x), comm.all_reduce_async(x)
+    first.wait()
+    second.wait()
+    assert _close(time.perf_counter() - start, 2 * d)  # one link: the second waits for the first
+
+
+def test_failed_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
+    out = tmp_path / "r.jsonl"
+    out.write_text(json.dumps({"status": "ok", "note": "measured earlier"}) + "\n")
+    link = get_link("nvlink-h100")
+    points = [BenchPoint("llama-3.1-405b", "ladder", tp=8, batch_size=64, prompt_len=1024, gen_len=512, link=link),
+              BenchPoint("tiny", "ladder", tp=2, batch_size=1, prompt_len=4, gen_len=2, link=link, runs=1)]
+    records = run_sweep(points, out, progress=False)
+    assert [r["status"] for r in records] == ["failed", "ok"]
+    assert "needs about" in records[0]["error"] and "GiB" in records[0]["error"]
+    assert len(read_results(out)) == 3  # earlier results kept, both new ones appended
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--interconnect", "carrier-pigeon"], "unknown interconnect 'carrier-pigeon'"),
+    (["--layouts", "standard,zigzag"], "unknown layout 'zigzag'"),
+    (["--preset", "gpt-5"], "unknown preset 'gpt-5'"),
+    (["--tp", "64", "--preset", "llama-3-70b"], "--tp 64 needs 64 processes"),
+    (["--interconnect", "custom"], "--interconnect custom needs --link-latency-us and --link-bandwidth-gbps"),
+    (["--batch-sizes", "1,x"], "--batch-sizes expects a comma-separated list of ints"),
+])
+def test_bad_input_is_one_line(args, message, tmp_path):
+    out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",
+                     "--prompt-len", "4", "--runs", "1", *args)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert message in lines[0]
+
+
+def test_unknown_link_in_python_api():
+    with pytest.raises(LadderError, match="known: real, custom, nvlink-h100"):
+        get_link("token-ring")
