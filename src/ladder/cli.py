@@ -19,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # The default `ladder bench` is the README's run command: a few minutes on a 2-core CPU.
 BENCH_DEFAULTS = {"preset": "llama-160m", "layouts": "standard,parallel,ladder,upper-bound", "tp": "2",
-                  "batch_sizes": "1,4", "prompt_len": 64, "gen_len": 32, "warmup": 1, "runs": 3,
+                  "batch_sizes": "1,4", "prompt_len": 64, "gen_len": 32, "warmup": 1, "runs": 5,
                   "interconnect": "real", "link_scale": 1.0, "out": "results/bench.jsonl"}
 
 
@@ -202,8 +202,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
           flush=True)
     for link in links:
         if link is not None:
-            print(f"  emulated link {link.name}: {link.latency_us:.1f} us + bytes / {link.bandwidth_gbps:.1f} GB/s "
-                  f"(x{args.link_scale:g}); {link.source}", flush=True)
+            print(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us per rank "
+                  f"beyond 2) + ring bytes / {link.bandwidth_gbps:.1f} GB/s, times x{args.link_scale:g}; {link.source}",
+                  flush=True)
     records = run_sweep(points, out, progress=not args.no_progress)
     if records:
         print(format_summary(summarise(records)))

@@ -1,0 +1,156 @@
+"""Text at the edges: tokenizers (Hugging Face `tokenizers`) and chat templates (Jinja, as transformers
+renders them). The engine never sees text; the CLI turns text into ids and ids back into text here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ladder.errors import LadderError
+
+# Pre-tokenizer splits for GGUF files that name one (tokenizer.ggml.pre); others use GPT-2's regex.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                   "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT}
+
+
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` plus what generation needs: BOS/EOS, and the chat template."""
+
+    def __init__(self, tokenizer: Any, bos_token: str | None, eos_token: str | None, add_bos: bool,
+                 chat_template: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, reader: Any, label: str) -> TextTokenizer:
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        def field(key: str, default: Any = None) -> Any:
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
+        kind = field("tokenizer.ggml.model")
+        if kind is None:
+            raise LadderError(f"{label}: the file has no tokenizer (tokenizer.ggml.model is missing)")
+        if kind != "gpt2":
+            raise LadderError(f"{label}: tokenizer type {kind!r} is not supported (ladder reads GPT-2-style "
+                              "byte-level BPE tokenizers from GGUF)")
+        tokens: list[str] = field("tokenizer.ggml.tokens")
+        merges = field("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise LadderError(f"{label}: tokenizer tokens or merges are missing")
+        vocab = {token: i for i, token in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+        split = GGUF_PRE_SPLITS.get(field("tokenizer.ggml.pre", ""))
+        if split:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+        else:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        types = field("tokenizer.ggml.token_type") or []
+        # Control tokens (type 3), like <|im_start|>, stay whole and are special; user-defined (4) stay whole.
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, kind_ in zip(tokens, types) if kind_ == 3])
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, kind_ in zip(tokens, types) if kind_ == 4])
+
+        def token(key: str) -> str | None:
+            i = field(f"tokenizer.ggml.{key}_token_id")
+            return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+        return cls(tok, token("bos"), token("eos"), bool(field("tokenizer.ggml.add_bos_token", False)),
+                   field("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path) -> TextTokenizer:
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:
+            raise LadderError(f"{folder / 'tokenizer.json'} is not a readable tokenizer ({exc})") from None
+        config: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").is_file():
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+
+        def name(value: Any) -> str | None:
+            return value.get("content") if isinstance(value, dict) else value
+
+        return cls(tok, name(config.get("bos_token")), name(config.get("eos_token")),
+                   bool(config.get("add_bos_token", False)), config.get("chat_template"))
+
+    def save_hf(self, folder: Path) -> None:
+        self.tokenizer.save(str(folder / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+                  "eos_token": self.eos_token, "add_bos_token": self.add_bos, "chat_template": self.chat_template,
+                  "clean_up_tokenization_spaces": False}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    # ---- use ----------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        ids = {self.token_id(self.eos_token)}
+        return sorted(i for i in ids if i is not None)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos = self.token_id(self.bos_token)
+        if (self.add_bos if add_bos is None else add_bos) and bos is not None:
+            ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat template rendered as transformers renders it (sandboxed Jinja, trimmed blocks)."""
+        if not self.chat_template:
+            raise LadderError("this model has no chat template; use --prompt instead of --chat")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as exc:
+            raise LadderError(f"the chat template failed: {exc}") from None
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text increments, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return ""
+        new, self.printed = text[len(self.printed):], text
+        return new
