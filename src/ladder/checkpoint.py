@@ -152,7 +152,7 @@ class GGUFSource:
             values = gguf.quants.dequantize(np.ascontiguousarray(raw), t.tensor_type)
         except (ValueError, NotImplementedError) as exc:
             raise LadderError(f"{self.path.name}: cannot dequantise {t.name}: {exc}") from None
-        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        tensor = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy of the mapped data
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.config.n_heads if "q_proj" in name else self.config.n_kv_heads
             start, stop, _ = rows.indices(heads * self.config.head_dim)

@@ -9,13 +9,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ladder.config import DESYNC_PATTERNS, LAYOUTS, PRESETS, ModelConfig, get_preset
+from ladder.config import DESYNC_PATTERNS, LAYOUTS, PRESETS
 from ladder.errors import LadderError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ladder.loader import DTYPES, ModelSpec
+from ladder.tokenizer import TextTokenizer
 
 # The default `ladder bench` is the README's run command: a few minutes on a 2-core CPU.
 BENCH_DEFAULTS = {"preset": "llama-160m", "layouts": "standard,parallel,ladder,upper-bound", "tp": "2",
@@ -23,51 +24,25 @@ BENCH_DEFAULTS = {"preset": "llama-160m", "layouts": "standard,parallel,ladder,u
                   "interconnect": "real", "link_scale": 1.0, "out": "results/bench.jsonl"}
 
 
+def info(message: str) -> None:
+    """Status lines go to stderr (rank 0 only), so stdout carries only the answer."""
+    import os
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
 # ---- model selection shared by every subcommand ---------------------------------------------------
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which model to run and how: a preset with random weights (a real checkpoint comes later)."""
-
-    preset: str = "tiny"
-    layout: str | None = None
-    ladder_layers: int | None = None
-    desync_reduce: str | None = None
-    tp: int = 1
-    device: str = "auto"
-    dtype: str | None = None
-    shard_vocab: bool = False
-    seed: int = 0
-
-    def config(self) -> ModelConfig:
-        base = get_preset(self.preset)
-        changes: dict[str, object] = {}
-        layout = self.layout
-        if self.ladder_layers is not None and layout is None:
-            layout = "ladder"  # --ladder-layers alone means hybrid ladder
-        if layout is not None:
-            changes["layout"] = layout
-        if self.ladder_layers is not None:
-            changes["ladder_layers"] = self.ladder_layers
-        if self.desync_reduce is not None:
-            changes["desync_reduce"] = self.desync_reduce
-        config = base.replace(**changes) if changes else base
-        config.check_tp(self.tp)
-        return config
-
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype is None:
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
-
-
-def add_model_options(p: argparse.ArgumentParser) -> None:
+def add_model_options(p: argparse.ArgumentParser, tp_flag: bool = True) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--preset", default="tiny", help=f"model shape, one of: {', '.join(PRESETS)}")
+    g.add_argument("--model", help="a GGUF file, a Hugging Face folder, or a short name (smollm2-135m-instruct)")
+    g.add_argument("--preset", default="tiny", help=f"model shape with random weights, one of: {', '.join(PRESETS)}")
     g.add_argument("--layout", help=f"residual layout, one of: {', '.join(LAYOUTS)} (default: the model's)")
     g.add_argument("--ladder-layers", type=int, metavar="N", help="ladder on the last N layers (hybrid)")
     g.add_argument("--desync-reduce", choices=DESYNC_PATTERNS, help="which modules desync all-reduces")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (starts N local workers)")
+    if tp_flag:
+        g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (starts N local workers)")
     g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     g.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--shard-vocab", action="store_true", help="shard the output head's vocabulary")
@@ -75,9 +50,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    return ModelSpec(preset=args.preset, layout=args.layout, ladder_layers=args.ladder_layers,
-                     desync_reduce=args.desync_reduce, tp=args.tp, device=args.device, dtype=args.dtype,
-                     shard_vocab=args.shard_vocab, seed=args.seed)
+    return ModelSpec(preset=args.preset, model=args.model, layout=args.layout, ladder_layers=args.ladder_layers,
+                     desync_reduce=args.desync_reduce, tp=getattr(args, "tp", 1), device=args.device,
+                     dtype=args.dtype, shard_vocab=args.shard_vocab, seed=args.seed)
 
 
 # ---- generate -------------------------------------------------------------------------------------
@@ -85,8 +60,10 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 @dataclass(frozen=True)
 class GenerateRequest:
     model: ModelSpec
-    prompts: list[list[int]]
     max_new_tokens: int
+    prompt_ids: list[list[int]] | None = None  # token ids, or text below (needs a tokenizer)
+    prompt: str | None = None
+    chat: str | None = None
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
@@ -104,37 +81,64 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _prompt_tensor(req: GenerateRequest, tokenizer: TextTokenizer | None, vocab: int) -> torch.Tensor:
+    if req.prompt_ids is not None:
+        bad = [t for p in req.prompt_ids for t in p if not 0 <= t < vocab]
+        if bad:
+            raise LadderError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return torch.tensor(req.prompt_ids, dtype=torch.long)
+    if tokenizer is None:
+        raise LadderError("this model has no tokenizer: give --prompt-ids instead of text")
+    if req.chat is not None:
+        text = tokenizer.render_chat([{"role": "user", "content": req.chat}])
+        ids = tokenizer.encode(text, add_bos=False)  # the template writes its own special tokens
+    else:
+        ids = tokenizer.encode(req.prompt or "")
+    if not ids:
+        raise LadderError("the prompt is empty")
+    return torch.tensor([ids], dtype=torch.long)
+
+
 def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
     """One rank's share of `ladder generate` (runs in each worker process)."""
     from ladder.distributed import init_distributed, print_rank0, shutdown_distributed
     from ladder.engine import Engine, SamplingParams
-    from ladder.weights import random_model
+    from ladder.loader import describe, load_model
+    from ladder.tokenizer import StreamDecoder
 
     ctx = init_distributed(req.model.device)
     try:
-        config = req.model.config()
-        model = random_model(config, ctx.communicator(), ctx.device, req.model.torch_dtype(ctx.device),
-                             seed=req.model.seed, shard_vocab=req.model.shard_vocab)
-        engine = Engine(model, compile=req.compile)
+        loaded = load_model(req.model, ctx.communicator(), ctx.device)
+        info(f"ladder: {describe(loaded, req.model)}")
+        if loaded.random_weights:
+            info("ladder: weights are RANDOM: the generated ids are not meaningful text")
+        tokenizer = loaded.tokenizer
+        prompt = _prompt_tensor(req, tokenizer, loaded.model.config.vocab_size)
+        engine = Engine(loaded.model, compile=req.compile)
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.model.seed)
-        prompt = torch.tensor(req.prompts, dtype=torch.long)
-        streamed = len(req.prompts) == 1
+        text_mode = req.prompt_ids is None
+        stop_ids = tuple(req.stop_ids) + (tuple(tokenizer.stop_ids) if text_mode and tokenizer else ())
+        batch = prompt.shape[0]
+        stream = StreamDecoder(tokenizer) if text_mode else None
 
         def on_token(token: torch.Tensor) -> None:
-            if streamed:
+            if stream is not None:
+                if int(token[0]) not in stop_ids:
+                    print_rank0(stream.push(int(token[0])), end="")
+            elif batch == 1:
                 print_rank0(f"{int(token[0])} ", end="")
 
-        if streamed:
+        if not text_mode and batch == 1:
             print_rank0("generated: ", end="")
-        result = engine.generate(prompt, req.max_new_tokens, sampling, req.stop_ids, on_token)
-        if streamed:
+        result = engine.generate(prompt, req.max_new_tokens, sampling, stop_ids, on_token)
+        if text_mode or batch == 1:
             print_rank0()
         else:
             for i, row in enumerate(result.tokens):
                 print_rank0(f"generated[{i}]: {' '.join(map(str, row))}")
         n = result.n_generated
-        print_rank0(f"({n} tokens: prefill {result.prefill_s * 1e3:.1f} ms, decode {result.decode_s * 1e3:.1f} ms, "
-                    f"{len(req.prompts) * max(n - 1, 0) / max(result.decode_s, 1e-9):.1f} tokens/s decode)")
+        info(f"ladder: {n} tokens, prefill {prompt.shape[1]} tokens in {result.prefill_s * 1e3:.0f} ms, decode "
+             f"{batch * max(n - 1, 0) / max(result.decode_s, 1e-9):.1f} tokens/s")
         return result.tokens
     finally:
         shutdown_distributed()
@@ -144,27 +148,105 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ladder.launch import launch
 
     spec = model_spec(args)
-    config = spec.config()
-    prompts = [parse_ids(p) for p in (args.prompt_ids or [])]
-    if not prompts:
-        raise LadderError("give a prompt with --prompt-ids 1,2,3 (repeat the flag for a batch)")
-    if len({len(p) for p in prompts}) > 1:
-        raise LadderError(f"batched prompts must have equal lengths, got {[len(p) for p in prompts]}")
-    total = len(prompts[0]) + args.max_new_tokens
-    if total > config.max_seq_len:
-        raise LadderError(f"prompt of {len(prompts[0])} tokens + {args.max_new_tokens} new tokens = {total} "
-                          f"exceeds the model's max_seq_len {config.max_seq_len}")
-    bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
-    if bad:
-        raise LadderError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-    print(f"ladder: {spec.preset} ({config.n_params() / 1e6:.1f}M params), layout {config.layout_name}, "
-          f"tp={spec.tp}. Weights are RANDOM (seed {spec.seed}): the ids are not meaningful text.",
-          flush=True)
-    req = GenerateRequest(model=spec, prompts=prompts, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          stop_ids=tuple(parse_ids(args.stop_ids)) if args.stop_ids else (),
-                          compile=args.compile)
+    config = spec.validate()
+    given = [x is not None for x in (args.prompt_ids, args.prompt, args.chat)]
+    if sum(given) != 1:
+        raise LadderError("give exactly one of --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3")
+    if args.max_new_tokens < 1:
+        raise LadderError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompts = [parse_ids(p) for p in args.prompt_ids] if args.prompt_ids else None
+    if prompts:
+        if len({len(p) for p in prompts}) > 1:
+            raise LadderError(f"batched prompts must have equal lengths, got {[len(p) for p in prompts]}")
+        if config is not None:
+            total = len(prompts[0]) + args.max_new_tokens
+            if total > config.max_seq_len:
+                raise LadderError(f"prompt of {len(prompts[0])} tokens + {args.max_new_tokens} new tokens = {total} "
+                                  f"exceeds the model's max_seq_len {config.max_seq_len}")
+            bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
+            if bad:
+                raise LadderError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    req = GenerateRequest(model=spec, max_new_tokens=args.max_new_tokens, prompt_ids=prompts, prompt=args.prompt,
+                          chat=args.chat, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          stop_ids=tuple(parse_ids(args.stop_ids)) if args.stop_ids else (), compile=args.compile)
     launch(generate_on_rank, spec.tp, req)
+    return 0
+
+
+# ---- eval -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EvalRequest:
+    model: ModelSpec
+    text_file: str
+    window: int
+    stride: int
+    max_tokens: int | None
+
+
+def eval_on_rank(req: EvalRequest) -> dict:
+    from ladder.distributed import init_distributed, shutdown_distributed
+    from ladder.evaluate import perplexity
+    from ladder.loader import describe, load_model
+
+    ctx = init_distributed(req.model.device)
+    try:
+        loaded = load_model(req.model, ctx.communicator(), ctx.device)
+        info(f"ladder: {describe(loaded, req.model)}")
+        if loaded.tokenizer is None:
+            raise LadderError("this model has no tokenizer, so it cannot read a text file")
+        text = Path(req.text_file).read_text(encoding="utf-8", errors="replace")
+        ids = loaded.tokenizer.encode(text)
+        if req.max_tokens:
+            ids = ids[: req.max_tokens]
+        result = perplexity(loaded.model, ids, req.window, req.stride, progress=ctx.is_main)
+        result.update(model=req.model.label, text=req.text_file, layout=loaded.model.config.layout_name,
+                      ladder_layers=loaded.model.config.n_ladder_layers, tp=ctx.world_size)
+        return result
+    finally:
+        shutdown_distributed()
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from ladder.launch import launch
+
+    spec = model_spec(args)
+    spec.validate()
+    if not Path(args.text).is_file():
+        raise LadderError(f"no text file at {args.text}")
+    stride = args.stride or args.window
+    if not 0 < stride <= args.window:
+        raise LadderError(f"--stride must be between 1 and --window ({args.window}), got {stride}")
+    result = launch(eval_on_rank, spec.tp, EvalRequest(spec, args.text, args.window, stride, args.max_tokens))[0] \
+        if spec.tp > 1 else eval_on_rank(EvalRequest(spec, args.text, args.window, stride, args.max_tokens))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"perplexity {result['perplexity']:.3f} ({result['model']}, {result['layout']}, tp={result['tp']}) over "
+              f"{result['n_scored']} tokens of {args.text}; {result['method']}")
+    return 0
+
+
+# ---- convert --------------------------------------------------------------------------------------
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ladder.checkpoint import save_hf
+    from ladder.distributed import LocalCommunicator, pick_device
+    from ladder.loader import describe, load_model
+    from ladder.weights import export_hf_state_dict
+
+    spec = ModelSpec(model=args.src, layout=args.layout, ladder_layers=args.ladder_layers,
+                     desync_reduce=args.desync_reduce, device="cpu", dtype="float32")
+    spec.validate()
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise LadderError(f"{out} exists; pass --force to replace it")
+    loaded = load_model(spec, LocalCommunicator(), pick_device("cpu"))
+    info(f"ladder: {describe(loaded, spec)}")
+    path = save_hf(out, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer, force=args.force)
+    print(f"wrote {path} ({loaded.model.config.layout_name})")
     return 0
 
 
@@ -270,8 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "benchmark and convert models with every residual layout.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate token ids (random weights) with any layout and TP degree")
+    g = sub.add_parser("generate", help="generate text (or ids) with any model, layout and TP degree")
     add_model_options(g)
+    g.add_argument("--chat", metavar="TEXT", help="a user message, wrapped in the model's chat template")
+    g.add_argument("--prompt", metavar="TEXT", help="plain text to continue")
     g.add_argument("--prompt-ids", action="append", metavar="IDS",
                    help="comma-separated prompt token ids; repeat for a batch of equal-length prompts")
     g.add_argument("--max-new-tokens", type=int, default=16)
@@ -281,6 +365,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-ids", help="comma-separated ids that end a sequence")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="perplexity of a model on a text file")
+    add_model_options(e)
+    e.add_argument("--text", required=True, help="a UTF-8 text file")
+    e.add_argument("--window", type=int, default=512, help="tokens of context per forward")
+    e.add_argument("--stride", type=int, help="tokens scored per window (< window: sliding; default: chunked)")
+    e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the file")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("convert", help="convert a checkpoint to a residual layout, write a Hugging Face folder")
+    c.add_argument("src", help="a GGUF file, a Hugging Face folder, or a short name")
+    c.add_argument("--out", required=True, help="the folder to write (atomically)")
+    c.add_argument("--ladder-layers", type=int, metavar="N", help="ladder on the last N layers")
+    c.add_argument("--layout", help=f"target layout, one of: {', '.join(LAYOUTS)}")
+    c.add_argument("--desync-reduce", choices=DESYNC_PATTERNS)
+    c.add_argument("--force", action="store_true", help="replace --out if it exists")
+    c.set_defaults(func=cmd_convert)
 
     b = sub.add_parser("bench", help="throughput sweep over layouts x TP x batch (see also: ladder bench plot)")
     b.add_argument("--preset", default=BENCH_DEFAULTS["preset"], help="model shape(s), comma-separated")

@@ -113,18 +113,25 @@ class ModelConfig:
     # ---- tensor parallelism ----------------------------------------------------------------------
 
     def check_tp(self, tp: int) -> None:
-        """Raise a one-line error naming the numbers if this shape cannot be sharded over `tp` ranks."""
+        """Raise a one-line error naming the numbers if this shape cannot be sharded over `tp` ranks.
+
+        Attention is sharded by whole KV groups (a KV head with its query heads): evenly when tp divides
+        n_kv_heads, unevenly (some ranks hold one group more) when tp is smaller than n_kv_heads, and
+        with replicated KV heads when tp is a multiple of n_kv_heads.
+        """
         if tp < 1:
             raise LadderError(f"tensor-parallel degree must be >= 1, got {tp}")
-        if self.n_heads % tp:
-            raise LadderError(f"n_heads {self.n_heads} is not divisible by tensor-parallel degree {tp}")
-        if self.n_kv_heads % tp and tp % self.n_kv_heads:
+        kv, heads = self.n_kv_heads, self.n_heads
+        if kv % tp and tp > kv and (tp % kv or heads % tp):
             raise LadderError(
-                f"n_kv_heads {self.n_kv_heads} and tensor-parallel degree {tp} do not divide one another "
-                "(KV heads are split, or replicated when tp is a multiple of them)"
-            )
+                f"n_heads {heads} with n_kv_heads {kv} cannot be sharded over tensor-parallel degree {tp}: "
+                f"use a tp that divides {kv}, is smaller than {kv}, or is a multiple of {kv} dividing {heads}")
         if self.ffn_hidden % tp:
             raise LadderError(f"ffn_hidden {self.ffn_hidden} is not divisible by tensor-parallel degree {tp}")
+
+    def balanced_tp(self, tp: int) -> bool:
+        """Whether every rank holds the same number of attention heads at this TP degree."""
+        return self.n_heads % tp == 0 and (self.n_kv_heads % tp == 0 or tp % self.n_kv_heads == 0)
 
     # ---- derived numbers -------------------------------------------------------------------------
 

@@ -39,13 +39,16 @@ class ShardShape:
     @staticmethod
     def of(config: ModelConfig, rank: int, tp: int, shard_vocab: bool = False) -> ShardShape:
         config.check_tp(tp)
-        n_heads = config.n_heads // tp
-        n_kv = max(1, config.n_kv_heads // tp)
-        # With tp > n_kv_heads each KV head is replicated on tp / n_kv_heads consecutive ranks.
-        first_kv = rank * config.n_kv_heads // tp if tp > config.n_kv_heads else rank * n_kv
+        kv, group = config.n_kv_heads, config.n_heads // config.n_kv_heads
+        if tp > kv:  # each KV head is replicated on tp / kv consecutive ranks, its query heads split
+            n_heads, n_kv = config.n_heads // tp, 1
+            first_head, first_kv = rank * n_heads, rank * kv // tp
+        else:  # whole KV groups; with tp not dividing kv, the first kv % tp ranks get one group more
+            first_kv, last_kv = rank * kv // tp, (rank + 1) * kv // tp
+            n_kv, n_heads, first_head = last_kv - first_kv, (last_kv - first_kv) * group, first_kv * group
         vocab = config.vocab_size // tp if shard_vocab else config.vocab_size
         first_vocab = rank * vocab if shard_vocab else 0
-        return ShardShape(n_heads, n_kv, rank * n_heads, first_kv, config.ffn_hidden // tp, vocab, first_vocab)
+        return ShardShape(n_heads, n_kv, first_head, first_kv, config.ffn_hidden // tp, vocab, first_vocab)
 
 
 class RMSNorm(nn.Module):
