@@ -29,7 +29,7 @@ def test_generate_tp2_equals_tp1_and_says_weights_are_random():
     args = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "16"]
     one, two = run(*args, "--tp", "1"), run(*args, "--tp", "2")
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-    assert "RANDOM" in one.stdout
+    assert "RANDOM" in one.stderr
     assert generated(one.stdout) == generated(two.stdout)
     assert len(generated(one.stdout).split(":")[1].split()) == 16
 
@@ -44,8 +44,10 @@ def test_generate_batch_with_sampling():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--preset", "tiny", "--tp", "3"], "n_heads 4 is not divisible by tensor-parallel degree 3"),
-    (["--preset", "smollm2-135m", "--tp", "2"], "n_heads 9 is not divisible by tensor-parallel degree 2"),
+    (["--preset", "tiny", "--tp", "3"], "n_heads 4 with n_kv_heads 2 cannot be sharded over tensor-parallel degree 3"),
+    (["--preset", "llama-3-70b", "--tp", "12"],
+     "n_heads 64 with n_kv_heads 8 cannot be sharded over tensor-parallel degree 12"),
+    (["--preset", "llama-3-70b", "--tp", "3"], "ffn_hidden 28672 is not divisible by tensor-parallel degree 3"),
     (["--preset", "nope"], "unknown preset 'nope'; known presets: tiny"),
     (["--layout", "zigzag"], "unknown layout 'zigzag'; known layouts: standard"),
     (["--max-new-tokens", "200"], "= 203 exceeds the model's max_seq_len 128"),
@@ -67,8 +69,10 @@ def test_bad_input_is_one_line_and_nonzero(args, message):
 
 def test_kv_heads_divisibility_names_the_numbers():
     config = ModelConfig(dim=96, n_layers=1, n_heads=12, n_kv_heads=3, ffn_hidden=64, vocab_size=32)
-    with pytest.raises(LadderError, match="n_kv_heads 3 and tensor-parallel degree 2"):
-        config.check_tp(2)
+    with pytest.raises(LadderError, match="n_heads 12 with n_kv_heads 3 cannot be sharded over tensor-parallel degree 4"):
+        config.check_tp(4)
+    config.check_tp(2)  # fewer ranks than KV groups: whole groups, unevenly (2 + 1)
+    assert not config.balanced_tp(2) and config.balanced_tp(3)
     with pytest.raises(LadderError, match="ffn_hidden 30 is not divisible by tensor-parallel degree 4"):
         config.replace(n_kv_heads=12, ffn_hidden=30).check_tp(4)
     config.replace(n_kv_heads=1).check_tp(4)  # MQA: the single KV head is replicated

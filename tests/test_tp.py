@@ -26,6 +26,7 @@ CASES = {
     "ladder, vocab sharded": (tiny(layout="ladder"), True),
     "tied embeddings, vocab sharded": (tiny(layout="ladder", tie_embeddings=True), True),
     "MQA (1 KV head replicated)": (tiny(n_kv_heads=1, layout="ladder", ladder_layers=2), False),
+    "3 KV groups over 2 ranks (uneven)": (tiny(dim=96, n_heads=6, n_kv_heads=3, layout="ladder"), False),
     "desync, every module reduced": (tiny(layout="desync", desync_reduce="all"), False),
     "desync, default pattern": (tiny(layout="desync"), False),
     "upper-bound": (tiny(layout="upper-bound"), False),

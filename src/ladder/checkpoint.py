@@ -296,6 +296,9 @@ def config_from_hf(d: dict[str, Any], label: str) -> ModelConfig:
                               int(rs["original_max_position_embeddings"]))
     theta = d.get("rope_theta", (rs or {}).get("rope_theta", 10000.0) if isinstance(rs, dict) else 10000.0)
     n_heads = int(d["num_attention_heads"])
+    if d.get("head_dim") and int(d["head_dim"]) * n_heads != int(d["hidden_size"]):
+        raise LadderError(f"{label}: head_dim {d['head_dim']} x {n_heads} heads != hidden_size {d['hidden_size']} "
+                          "(decoupled head sizes are not supported)")
     try:
         return ModelConfig(
             dim=int(d["hidden_size"]), n_layers=int(d["num_hidden_layers"]), n_heads=n_heads,
@@ -317,7 +320,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "vocab_size": config.vocab_size, "rope_theta": config.rope_theta, "rms_norm_eps": config.norm_eps,
         "max_position_embeddings": config.max_seq_len, "tie_word_embeddings": config.tie_embeddings,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "head_dim": config.head_dim,
-        "torch_dtype": "float32",
+        "dtype": "float32", "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         # ladder's own keys: transformers ignores them (and would run the weights as a standard model)
         "residual_layout": config.layout, "ladder_layers": config.n_ladder_layers if config.layout == "ladder" else None,
         "desync_reduce": config.desync_reduce,
@@ -327,6 +330,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         d["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                              "high_freq_factor": s.high_freq_factor,
                              "original_max_position_embeddings": s.original_max_position_embeddings}
+        d["rope_parameters"] = {**d["rope_scaling"], "rope_theta": config.rope_theta}
     return d
 
 

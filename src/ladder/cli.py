@@ -109,11 +109,11 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
     ctx = init_distributed(req.model.device)
     try:
         loaded = load_model(req.model, ctx.communicator(), ctx.device)
+        tokenizer = loaded.tokenizer
+        prompt = _prompt_tensor(req, tokenizer, loaded.model.config.vocab_size)
         info(f"ladder: {describe(loaded, req.model)}")
         if loaded.random_weights:
             info("ladder: weights are RANDOM: the generated ids are not meaningful text")
-        tokenizer = loaded.tokenizer
-        prompt = _prompt_tensor(req, tokenizer, loaded.model.config.vocab_size)
         engine = Engine(loaded.model, compile=req.compile)
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.model.seed)
         text_mode = req.prompt_ids is None
@@ -192,9 +192,9 @@ def eval_on_rank(req: EvalRequest) -> dict:
     ctx = init_distributed(req.model.device)
     try:
         loaded = load_model(req.model, ctx.communicator(), ctx.device)
-        info(f"ladder: {describe(loaded, req.model)}")
         if loaded.tokenizer is None:
             raise LadderError("this model has no tokenizer, so it cannot read a text file")
+        info(f"ladder: {describe(loaded, req.model)}")
         text = Path(req.text_file).read_text(encoding="utf-8", errors="replace")
         ids = loaded.tokenizer.encode(text)
         if req.max_tokens:

@@ -30,7 +30,8 @@ class TextTokenizer:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader: Any, label: str) -> TextTokenizer:
+    def from_gguf(cls, reader: Any, label: str) -> TextTokenizer | None:
+        """The file's tokenizer, or None when it has none (weights-only files still run on ids)."""
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
         def field(key: str, default: Any = None) -> Any:
@@ -39,7 +40,7 @@ class TextTokenizer:
 
         kind = field("tokenizer.ggml.model")
         if kind is None:
-            raise LadderError(f"{label}: the file has no tokenizer (tokenizer.ggml.model is missing)")
+            return None
         if kind != "gpt2":
             raise LadderError(f"{label}: tokenizer type {kind!r} is not supported (ladder reads GPT-2-style "
                               "byte-level BPE tokenizers from GGUF)")

