@@ -93,3 +93,24 @@ def test_a_failing_rank_stops_every_rank_without_hanging():
     with pytest.raises(LadderError, match="rank 1 failed: rank one broke on purpose"):
         launch(_rank1_fails_while_rank0_waits, 2)
     assert time.monotonic() - start < 50  # well before the 60 s process-group timeout
+
+
+def test_compiled_decode_at_tp2_equals_eager():
+    args = ["generate", "--preset", "tiny", "--layout", "ladder", "--ladder-layers", "3", "--tp", "2",
+            "--prompt-ids", "5,6,7", "--max-new-tokens", "6"]
+    eager, compiled = run(*args), run(*args, "--compile", timeout=300)
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-2000:]
+    assert generated(eager.stdout) == generated(compiled.stdout)
+
+
+def test_runs_under_torchrun_with_global_ranks():
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = ["-m", "ladder.cli", "generate", "--preset", "tiny", "--layout", "ladder", "--tp", "2",
+            "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
+    out = subprocess.run([*torchrun, *args], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "LADDER_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("generated")]
+    assert len(lines) == 1  # printed by global rank 0 only
+    assert lines[0] == generated(run("generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3",
+                                     "--max-new-tokens", "8").stdout)

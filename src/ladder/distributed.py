@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ladder.errors import LadderError
 
@@ -28,7 +29,8 @@ class Handle(Protocol):
 
 
 class Communicator(Protocol):
-    """Sum-reductions across the tensor-parallel group (all in place on the argument's storage)."""
+    """Sum-reductions across the tensor-parallel group. Use the returned tensor (an implementation may
+    reduce in place or return a new tensor)."""
 
     rank: int
     world_size: int
@@ -66,35 +68,40 @@ class LocalCommunicator:
         return x
 
 
-class _WorkHandle:
-    def __init__(self, work: dist.Work, result: torch.Tensor) -> None:
-        self.work = work
-        self.result = result
+# torch 2.13 renamed all_gather_tensor to all_gather_single; 2.11 (the GPU machine's) has only the old name.
+_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+class _FunctionalHandle:
+    def __init__(self, pending: torch.Tensor) -> None:
+        self.pending = pending
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.result
+        return funcol.wait_tensor(self.pending)
 
 
 class TorchCommunicator:
-    """Collectives of a real `torch.distributed` process group (gloo on CPU, NCCL on CUDA)."""
+    """Collectives of a real `torch.distributed` process group (gloo on CPU, NCCL on CUDA).
+
+    Functional collectives: in eager mode they launch asynchronously and complete at `wait()`; under
+    torch.compile they trace into the graph (`async_op=True` work handles do not), so the compiler
+    sees the same launch-early, wait-late schedule. Results are new tensors, not in place.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=self.group)
-        return x
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.group))
 
     def all_reduce_async(self, x: torch.Tensor) -> Handle:
-        return _WorkHandle(dist.all_reduce(x, group=self.group, async_op=True), x)
+        return _FunctionalHandle(funcol.all_reduce(x, "sum", self.group))
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        gathered = funcol.wait_tensor(_all_gather_single(x.contiguous(), 0, self.group))  # (W*B, ...)
+        return torch.cat(gathered.chunk(self.world_size, dim=0), dim=-1)
 
 
 @dataclass(frozen=True)
