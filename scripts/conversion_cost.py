@@ -27,7 +27,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens evaluated per text")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--out", default="results/conversion_cost.jsonl")
+    parser.add_argument("--table-only", action="store_true", help="rebuild the Markdown table from --out")
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.table_only:
+        records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        write_table(records, out.with_suffix(".md"))
+        return
 
     checkpoint = open_checkpoint(args.model)
     texts = {f"shakespeare (held-out: {', '.join(HELD_OUT_PLAYS)})": shakespeare_text("heldout"),
@@ -50,24 +56,30 @@ def main() -> None:
                             **result, "seconds": time.perf_counter() - start})
             print(f"N={n:>2} {name}: perplexity {result['perplexity']:.2f}", flush=True)
 
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     tmp.replace(out)
+    write_table(records, out.with_suffix(".md"))
 
-    names = list(ids)
-    base_ppl = {name: next(r["perplexity"] for r in records if r["ladder_layers"] == 0 and r["text"] == name)
-                for name in names}
-    print(f"\n{records[0]['method']}; {args.tokens} tokens per text\n")
-    print("| ladder on last N of 30 layers | " + " | ".join(names) + " |")
-    print("|---|" + "---|" * len(names))
-    for n in LADDER_LAYERS:
-        cells = []
-        for name in names:
-            ppl = next(r["perplexity"] for r in records if r["ladder_layers"] == n and r["text"] == name)
-            cells.append(f"{ppl:.2f} (x{ppl / base_ppl[name]:.2f})")
-        print(f"| {n} | " + " | ".join(cells) + " |")
+
+def write_table(records: list[dict], path: Path) -> None:
+    """The Markdown table of the README, from the records (never typed by hand)."""
+    names = list(dict.fromkeys(r["text"] for r in records))
+    layers = sorted({r["ladder_layers"] for r in records})
+    ppl = {(r["ladder_layers"], r["text"]): r["perplexity"] for r in records}
+    lines = [f"| ladder on the last N of {records[0]['n_layers']} layers | " + " | ".join(names) + " |",
+             "|---|" + "---|" * len(names)]
+    for n in layers:
+        cells = [f"{ppl[(n, name)]:.2f} (x{ppl[(n, name)] / ppl[(0, name)]:.2f})" for name in names]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines.append(f"\nPerplexity of {records[0]['model']} ({records[0]['n_scored'] + 1} tokens per text; "
+                 f"{records[0]['method']}). In brackets: relative to the unconverted model.")
+    text = "\n".join(lines) + "\n"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    print(text)
 
 
 if __name__ == "__main__":

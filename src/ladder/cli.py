@@ -345,6 +345,40 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- train ----------------------------------------------------------------------------------------
+
+def train_on_rank(config: object, resume: bool, progress: bool) -> dict:
+    from ladder.train import train
+
+    result = train(config, resume=resume, progress=progress)  # type: ignore[arg-type]
+    return {"losses": result.losses, "final_dir": str(result.final_dir), "eval_loss": result.eval_loss}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import math
+
+    from ladder.launch import launch
+    from ladder.train import load_train_config
+
+    config = load_train_config(args.config, args.overrides)
+    results = launch(train_on_rank, args.nproc, config, args.resume, not args.no_progress)
+    result = results.get(0)
+    if result:
+        eval_text = (f", held-out loss {result['eval_loss']:.4f} (perplexity {math.exp(result['eval_loss']):.2f})"
+                     if result["eval_loss"] is not None else "")
+        losses = result["losses"]
+        last = f"final train loss {losses[-1]:.4f}" if losses else "nothing left to train"
+        print(f"{last}{eval_text}; model written to {result['final_dir']}")
+    return 0
+
+
+def cmd_train_plot(args: argparse.Namespace) -> int:
+    from ladder.plots import plot_training
+
+    print(plot_training([Path(r) for r in args.runs], Path(args.out)))
+    return 0
+
+
 # ---- entry point ----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,6 +458,19 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--validate", action="store_true", help="compare with the paper's held-out table points")
     pr.set_defaults(func=cmd_predict)
 
+    t = sub.add_parser("train", help="pretrain from a preset or adapt a checkpoint (see also: ladder train plot)")
+    t.add_argument("--config", help="a YAML or TOML file of train settings")
+    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings that override the file")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
+    t.add_argument("--nproc", type=int, default=1, help="data-parallel workers to start on this machine")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train)
+
+    tp_ = sub.add_parser("train-plot", help="loss curves of runs on one picture (also: ladder train plot RUN...)")
+    tp_.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl)")
+    tp_.add_argument("--out", default="loss.png")
+    tp_.set_defaults(func=cmd_train_plot)
+
     bp = sub.add_parser("bench-plot", help="draw the pictures of a results file (also: ladder bench plot FILE)")
     bp.add_argument("results", help="a results .jsonl file written by ladder bench")
     bp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: beside the results)")
@@ -433,8 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["bench", "plot"]:  # `ladder bench plot FILE` reads better than a separate command
-        argv = ["bench-plot", *argv[2:]]
+    if argv[:2] in (["bench", "plot"], ["train", "plot"]):  # reads better than a separate command
+        argv = [f"{argv[0]}-plot", *argv[2:]]
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

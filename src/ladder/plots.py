@@ -110,3 +110,25 @@ def _save(fig, path: Path, plt) -> Path:
     plt.close(fig)
     tmp.replace(path)  # atomic: a reader never sees half a picture
     return path
+
+
+def plot_training(runs: list[Path], out: Path) -> Path:
+    """Training (and held-out) loss against tokens for one or more runs, on one picture."""
+    import json
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        metrics = run / "metrics.jsonl"
+        if not metrics.is_file():
+            raise LadderError(f"{run} has no metrics.jsonl (not a training run folder?)")
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        line, = ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], alpha=0.7, label=f"{run.name} train")
+        held = [(r["tokens"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+        if held:
+            ax.plot(*zip(*held), marker="o", linestyle="--", color=line.get_color(), label=f"{run.name} held-out")
+    ax.set(xlabel="training tokens", ylabel="loss (nats/token)", yscale="log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out, plt)

@@ -72,6 +72,19 @@ class TextTokenizer:
                    field("tokenizer.chat_template"))
 
     @classmethod
+    def bytes(cls) -> TextTokenizer:
+        """UTF-8 bytes as tokens (id = byte value, vocabulary 256): for models trained from scratch."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        chars = _bytes_to_unicode()  # byte -> the printable stand-in the ByteLevel pre-tokenizer emits
+        assert set(chars.values()) == set(ByteLevel.alphabet())
+        tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return cls(tok, None, None, False, None)
+
+    @classmethod
     def from_hf_folder(cls, folder: Path) -> TextTokenizer:
         from tokenizers import Tokenizer
 
@@ -138,6 +151,19 @@ class TextTokenizer:
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as exc:
             raise LadderError(f"the chat template failed: {exc}") from None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (as in every byte-level BPE)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 class StreamDecoder:

@@ -177,11 +177,13 @@ def random_model(config: ModelConfig, comm: Communicator, device: torch.device,
     return model
 
 
-def export_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """The unsharded model's weights under Hugging Face names (TP=1 only)."""
+def export_hf_state_dict(model: Transformer, params: dict[str, torch.Tensor] | None = None
+                         ) -> dict[str, torch.Tensor]:
+    """The unsharded model's weights under Hugging Face names (TP=1 only). `params`: the model's
+    parameters as whole tensors, when they are not plain (e.g. gathered from FSDP shards)."""
     if model.comm.world_size != 1:
         raise LadderError("exporting weights needs the unsharded model (tp=1)")
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = params or dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, torch.Tensor] = {}
     for name, parts in shard_plan(model.config, model.shard, 0):
         if name == "output.weight" and model.config.tie_embeddings:

@@ -1,0 +1,126 @@
+"""Training: golden losses, bit-exact resume, world size 2 = 1, frozen layers, one-line errors."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ladder.corpora import python_docs_text
+from ladder.errors import LadderError
+from ladder.launch import launch
+from ladder.train import TrainConfig, checkpoint_dirs, load_train_config, train
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    text = python_docs_text()
+    (folder / "train.txt").write_text(text[:120_000])
+    (folder / "heldout.txt").write_text(text[200_000:230_000])
+    return folder
+
+
+def tiny_config(corpus, out, **changes) -> TrainConfig:
+    config = TrainConfig(preset="tiny", data=[str(corpus / "train.txt")], heldout=[str(corpus / "heldout.txt")],
+                         seq_len=32, steps=6, batch_size=8, micro_batch_size=4, lr=3e-3, min_lr=3e-4,
+                         warmup_steps=2, checkpoint_every=3, eval_every=3, eval_batches=2, out_dir=str(out),
+                         device="cpu")
+    return dataclasses.replace(config, **changes)
+
+
+# Regression values: the first six losses of the config above (seed 0, fp32 CPU, torch 2.13). Byte-level
+# loss starts at ln(256) = 5.545 for a random model; these move only if the model, init, data order or
+# optimizer change. Tolerance 1e-4 absorbs BLAS differences between CPUs, not a changed computation.
+GOLDEN = [5.550100, 5.321469, 5.119264, 4.879678, 4.755015, 4.644671]
+
+
+def test_golden_losses(corpus, tmp_path):
+    result = train(tiny_config(corpus, tmp_path / "run"), progress=False)
+    assert result.losses == pytest.approx(GOLDEN, abs=1e-4)
+
+
+def test_resume_equals_uninterrupted(corpus, tmp_path):
+    full = train(tiny_config(corpus, tmp_path / "full"), progress=False)
+    first = train(tiny_config(corpus, tmp_path / "split", stop_at=3), progress=False)
+    assert [int(p.name.split("-")[1]) for p in checkpoint_dirs(tmp_path / "split")] == [3]
+    second = train(tiny_config(corpus, tmp_path / "split"), resume=True, progress=False)
+    assert first.losses + second.losses == full.losses  # bit-exact, not approximately
+    a = json.loads((full.final_dir / "config.json").read_text())
+    assert a == json.loads((second.final_dir / "config.json").read_text())
+    from safetensors.torch import load_file
+    wa, wb = load_file(full.final_dir / "model.safetensors"), load_file(second.final_dir / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _train_rank(config):
+    return train(config, progress=False).losses
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_world_size_2_equals_world_size_1(corpus, tmp_path, parallel):
+    one = train(tiny_config(corpus, tmp_path / "one"), progress=False).losses
+    two = launch(_train_rank, 2, tiny_config(corpus, tmp_path / f"two-{parallel}", parallel=parallel))
+    # Same global batch; the only difference is the order of fp32 gradient sums (per-rank means, then
+    # an all-reduce): ~1e-7 relative per step, compounded over six Adam steps. 1e-4 keeps a 100x margin.
+    assert two[0] == pytest.approx(one, abs=1e-4)
+    assert two[0] == two[1]
+
+
+def test_checkpoint_is_a_model_folder_the_cli_runs(corpus, tmp_path):
+    result = train(tiny_config(corpus, tmp_path / "run", steps=3), progress=False)
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "generate", "--model", str(result.final_dir),
+                          "--prompt", "def ", "--max-new-tokens", "5"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "HF weights" in out.stderr
+
+
+def test_adaptation_with_frozen_layers(corpus, tmp_path):
+    base = train(tiny_config(corpus, tmp_path / "base", steps=3), progress=False).final_dir
+    adapted = train(tiny_config(corpus, tmp_path / "adapted", preset=None, model=str(base), ladder_layers=2,
+                                train_only_ladder_layers=True, steps=3), progress=False).final_dir
+    from safetensors.torch import load_file
+    before, after = load_file(base / "model.safetensors"), load_file(adapted / "model.safetensors")
+    frozen = [k for k in before if not k.startswith(("model.layers.2.", "model.layers.3."))]
+    trained = [k for k in before if k.startswith(("model.layers.2.", "model.layers.3.")) and "norm" not in k]
+    assert frozen and trained
+    assert all(torch.equal(before[k], after[k]) for k in frozen)
+    assert all(not torch.equal(before[k], after[k]) for k in trained)
+    assert json.loads((adapted / "config.json").read_text())["ladder_layers"] == 2
+
+
+def test_bad_input(corpus, tmp_path):
+    (tmp_path / "empty.txt").write_text("   \n")
+    with pytest.raises(LadderError, match="is empty"):
+        train(tiny_config(corpus, tmp_path / "a", data=[str(tmp_path / "empty.txt")]), progress=False)
+    with pytest.raises(LadderError, match="no data file or folder at /no/such.txt"):
+        train(tiny_config(corpus, tmp_path / "b", data=["/no/such.txt"]), progress=False)
+    with pytest.raises(LadderError, match="seq_len 300 exceeds the model's context"):
+        train(tiny_config(corpus, tmp_path / "c", seq_len=300), progress=False)
+    with pytest.raises(LadderError, match="unknown config key 'learning_rate'"):
+        load_train_config(None, ["learning_rate=1e-3"])
+    train(tiny_config(corpus, tmp_path / "d", steps=3), progress=False)
+    with pytest.raises(LadderError, match="another shape or layout"):
+        train(tiny_config(corpus, tmp_path / "d", steps=6, layout="ladder"), resume=True, progress=False)
+    with pytest.raises(LadderError, match="already holds checkpoints"):
+        train(tiny_config(corpus, tmp_path / "d", steps=6), progress=False)
+    leftovers = [p.name for p in (tmp_path / "d" / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == []  # no half-written checkpoint
+
+
+def test_config_file_and_cli(corpus, tmp_path):
+    (tmp_path / "run.toml").write_text(f'preset = "tiny"\ndata = ["{corpus / "train.txt"}"]\nheldout = []\n'
+                                       f'seq_len = 32\nsteps = 2\nbatch_size = 4\nmicro_batch_size = 4\n')
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "--config", str(tmp_path / "run.toml"),
+                          f"out_dir={tmp_path / 'cli'}", "warmup_steps=1", "--no-progress"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "final train loss" in out.stdout
+    plot = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "plot", str(tmp_path / "cli"),
+                           "--out", str(tmp_path / "loss.png")], capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "steps=abc"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "ladder: error: steps expects an integer, got 'abc'"
