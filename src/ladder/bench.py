@@ -357,7 +357,16 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def format_summary(rows: list[dict[str, Any]]) -> str:
+def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
+    if markdown:
+        lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            link = r["interconnect"] + (" (emulated)" if r["emulated"] else "")
+            speed = f"{r['speedup']:.3f}" if r["speedup"] is not None else "-"
+            hidden = f"{r['hidden']:.2f}" if r["hidden"] is not None else ""
+            lines.append(f"| {link} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
+                         f"{speed} | {hidden} |")
+        return "\n".join(lines)
     header = f"{'preset':<14}{'interconnect':<22}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'speedup':>9}{'hidden':>8}"
     lines = [header, "-" * len(header)]
     for r in rows:

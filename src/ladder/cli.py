@@ -295,6 +295,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_summary(args: argparse.Namespace) -> int:
+    from ladder.bench import format_summary, read_results, summarise
+
+    print(format_summary(summarise(read_results(Path(args.results))), markdown=args.markdown))
+    return 0
+
+
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -471,6 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp_.add_argument("--out", default="loss.png")
     tp_.set_defaults(func=cmd_train_plot)
 
+    bs = sub.add_parser("bench-summary", help="the speedup table of a results file (also: ladder bench summary FILE)")
+    bs.add_argument("results")
+    bs.add_argument("--markdown", action="store_true")
+    bs.set_defaults(func=cmd_bench_summary)
+
     bp = sub.add_parser("bench-plot", help="draw the pictures of a results file (also: ladder bench plot FILE)")
     bp.add_argument("results", help="a results .jsonl file written by ladder bench")
     bp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: beside the results)")
@@ -480,8 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] in (["bench", "plot"], ["train", "plot"]):  # reads better than a separate command
-        argv = [f"{argv[0]}-plot", *argv[2:]]
+    if argv[:2] in (["bench", "plot"], ["bench", "summary"], ["train", "plot"]):  # reads better
+        argv = [f"{argv[0]}-{argv[1]}", *argv[2:]]
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
