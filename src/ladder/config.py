@@ -183,6 +183,8 @@ PRESETS: dict[str, ModelConfig] = {
                                 tie_embeddings=True, source="HuggingFaceTB/SmolLM2-135M"),
     "llama-160m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_hidden=3072,
                               vocab_size=32000, max_seq_len=2048, source="JackFram/llama-160m (CPU benchmarks)"),
+    "byte-4m": ModelConfig(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_hidden=704, vocab_size=256,
+                           max_seq_len=512, source="a 4.5M-parameter byte-level model for CPU training experiments"),
     # The paper's from-scratch shapes (its section 4.1); key/value heads are not given, so full MHA.
     "1b": ModelConfig(dim=1536, n_layers=40, n_heads=24, n_kv_heads=24, ffn_hidden=4096,
                       vocab_size=49152, max_seq_len=2048, source="ladder paper 1.2B (FineWeb-edu)"),

@@ -51,7 +51,8 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
             ax.plot(*zip(*pts), marker="o", color=COLORS.get(label.split("[")[0]),
                     linestyle=["-", "--", ":", "-."][sorted({k[1] for k in series}).index(tp) % 4],
                     label=f"{label} tp={tp}")
-        ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s", title=_panel_title(*panel))
+        ax.set(yscale="log", xlabel="batch size", ylabel="tokens/s", title=_panel_title(*panel))
+        _batch_axis(ax, [b for pts in series.values() for b, _ in pts])
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "throughput.png", plt))
@@ -69,7 +70,8 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
             ax.plot(*zip(*pts), marker="o", color=COLORS.get(label.split("[")[0]), label=f"{label} tp={tp}",
                     linestyle=["-", "--", ":", "-."][sorted({k[1] for k in series}).index(tp) % 4])
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set(xscale="log", xlabel="batch size", ylabel="speedup over standard", title=_panel_title(*panel))
+        ax.set(xlabel="batch size", ylabel="speedup over standard", title=_panel_title(*panel))
+        _batch_axis(ax, [b for pts in series.values() for b, _ in pts])
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "speedup.png", plt))
@@ -93,6 +95,16 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "pareto.png", plt))
     return paths
+
+
+def _batch_axis(ax, batch_sizes: list[int]) -> None:
+    """A base-2 axis labelled with the batch sizes themselves."""
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(batch_sizes))
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
 
 
 def pareto_frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
