@@ -82,7 +82,9 @@ class Engine:
         self._decode = self._decode_step
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else "default"
-            self._decode = torch.compile(self._decode_step, mode=mode, fullgraph=True)
+            # One graph per step, unless the communicator must stay outside the graph (an emulated link).
+            fullgraph = getattr(model.comm, "traceable", True)
+            self._decode = torch.compile(self._decode_step, mode=mode, fullgraph=fullgraph)
 
     def _decode_step(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         return self.model(token, input_pos)[:, -1]  # (B, V)

@@ -144,6 +144,7 @@ class _DeadlineHandle:
         self.result = result
         self.deadline = deadline
 
+    @torch.compiler.disable
     def wait(self) -> torch.Tensor:
         wait_until(self.deadline)
         return self.result
@@ -165,6 +166,7 @@ class _CudaHandle:
         self.result = result
         self.event = event
 
+    @torch.compiler.disable
     def wait(self) -> torch.Tensor:
         torch.cuda.current_stream().wait_event(self.event)
         return self.result
@@ -176,6 +178,8 @@ class EmulatedCommunicator:
     `scale` multiplies every modelled duration: a slow device (a CPU standing in for a GPU) can keep
     the compute : communication ratio of the real system by dilating the link by the same factor.
     """
+
+    traceable = False  # clocks and side streams stay outside torch.compile graphs (graph breaks there)
 
     def __init__(self, link: LinkModel, world_size: int, device: torch.device, scale: float = 1.0) -> None:
         self.link, self.world_size, self.rank, self.scale = link, world_size, 0, scale
@@ -190,6 +194,7 @@ class EmulatedCommunicator:
     def duration_s(self, x: torch.Tensor) -> float:
         return self.link.all_reduce_s(x.numel() * x.element_size(), self.world_size) * self.scale
 
+    @torch.compiler.disable
     def all_reduce_async(self, x: torch.Tensor) -> Handle:
         duration = self.duration_s(x)
         self.modelled_s += duration
@@ -200,6 +205,7 @@ class EmulatedCommunicator:
         self.link_free_at = start + duration
         return _DeadlineHandle(x, self.link_free_at)
 
+    @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_async(x).wait()
 
