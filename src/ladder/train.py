@@ -314,7 +314,10 @@ def _build(config: TrainConfig, device: torch.device) -> tuple[Any, Any]:
         model = build_model(model_config, LocalCommunicator(), device)
         load_weights(model, checkpoint.source)
         return model, checkpoint.tokenizer
-    model_config = with_layout(get_preset(config.preset or "tiny"), config.layout, config.ladder_layers)
+    changes: dict[str, Any] = {}
+    if config.layout is not None or config.ladder_layers is not None:
+        changes = {"layout": config.layout or "ladder", "ladder_layers": config.ladder_layers}
+    model_config = get_preset(config.preset or "tiny", **changes)  # from scratch: any layout
     tokenizer = TextTokenizer.bytes()
     if model_config.vocab_size != tokenizer.vocab_size:
         raise LadderError(f"preset {config.preset} has vocab_size {model_config.vocab_size}; training from scratch "
@@ -449,6 +452,8 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
         done = start_step + len(losses)  # steps whose optimizer update completed
         _save(out_dir, done, core, optimizer, config, tokenizer, rank, world, dist)
         raise LadderError(f"interrupted: saved step {done} to {out_dir / 'checkpoints'}; continue with --resume") from None
+    if eval_loss is None and heldout is not None:  # e.g. resumed a run that had already finished
+        eval_loss = evaluate_loss(core, heldout, config, ctx)
     final = _save(out_dir, config.steps, core, optimizer, config, tokenizer, rank, world, dist)
     return TrainResult(losses, final, eval_loss)
 
