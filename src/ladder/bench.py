@@ -357,22 +357,25 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str]:
+    link = r["interconnect"] + (" (emulated)" if r["emulated"] else "")
+    speed = f"{r['speedup']:.3f}" if r["speedup"] is not None else "-"
+    hidden = f"{r['hidden']:.2f}" if r["hidden"] is not None else ""
+    return link, speed, hidden
+
+
 def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     if markdown:
         lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden |", "|---|---|---|---|---|---|---|"]
         for r in rows:
-            link = r["interconnect"] + (" (emulated)" if r["emulated"] else "")
-            speed = f"{r['speedup']:.3f}" if r["speedup"] is not None else "-"
-            hidden = f"{r['hidden']:.2f}" if r["hidden"] is not None else ""
+            link, speed, hidden = _summary_cells(r)
             lines.append(f"| {link} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
                          f"{speed} | {hidden} |")
         return "\n".join(lines)
     header = f"{'preset':<14}{'interconnect':<22}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'speedup':>9}{'hidden':>8}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        link = r["interconnect"] + (" (emulated)" if r["emulated"] else "")
-        speed = f"{r['speedup']:.3f}" if r["speedup"] is not None else "-"
-        hidden = f"{r['hidden']:.2f}" if r["hidden"] is not None else ""
+        link, speed, hidden = _summary_cells(r)
         lines.append(f"{r['preset']:<14}{link:<22}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
                      f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}")
     return "\n".join(lines)

