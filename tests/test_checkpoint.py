@@ -220,6 +220,56 @@ def write_gguf(path, hf_model, tensor_type: str = "F32", tokenizer: bool = False
     writer.close()
 
 
+def write_sentencepiece_gguf(path) -> None:
+    """A tokenizer-only GGUF laid out as llama.cpp writes Llama-2-style vocabularies: <unk>, <s>, </s>,
+    256 <0xNN> byte tokens, then pieces with their SentencePiece scores (no merges), control tokens last.
+    The pieces are a real BPE vocabulary learned here on Python's documentation."""
+    import gguf
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from ladder.corpora import python_docs_text
+
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    learner.train_from_iterator([python_docs_text()[:200_000]], trainers.BpeTrainer(vocab_size=700,
+                                                                                    show_progress=False))
+    specials = ["<unk>", "<s>", "</s>"]
+    tokens, types = specials + [f"<0x{b:02X}>" for b in range(256)], [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    for piece, rank in sorted(learner.get_vocab().items(), key=lambda kv: kv[1]):
+        if piece not in specials:  # learned earlier = merged first = higher score
+            tokens, types, scores = tokens + [piece], types + [1], scores + [-float(rank)]
+    tokens, types, scores = tokens + ["<|im_start|>", "<|im_end|>"], types + [3, 3], scores + [0.0, 0.0]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
+    import gguf
+    transformers = pytest.importorskip("transformers")
+    from ladder.tokenizer import TextTokenizer
+
+    write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    ours = TextTokenizer.from_gguf(gguf.GGUFReader(str(tmp_path / "spm.gguf")), "spm.gguf")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in TRICKY + PROMPTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text  # both add <s>, as llama.cpp does for these vocabularies
+        assert ours.decode(ids, skip_special=False) == theirs.decode(ids)
+    assert len(ours.encode("déjà vu 🙂", add_bos=False)) > 4  # characters outside the vocabulary: byte tokens
+    assert ours.decode(ours.encode("déjà vu 🙂")) == "déjà vu 🙂"
+
+
 @pytest.mark.parametrize("tensor_type,atol", [("F32", 1e-5), ("F16", 2e-3)])
 def test_gguf_written_here_matches_the_hf_model(tiny_hf, tmp_path, tensor_type, atol):
     hf_model, _, _ = tiny_hf

@@ -5,6 +5,7 @@ import torch
 
 from helpers import cached_logits, make_model, overlapped_modules, tiny, tp_worker
 from ladder.launch import launch
+from ladder.simulate import SimulatedRanks
 
 # TP=2 splits each module's matmuls in two and sums the partials with gloo, so results differ from
 # TP=1 only by fp32 summation order: measured at most 2.4e-7 on logits of magnitude <1.4. 2e-5 absolute
@@ -30,7 +31,9 @@ CASES = {
     "desync, every module reduced": (tiny(layout="desync", desync_reduce="all"), False),
     "desync, default pattern": (tiny(layout="desync"), False),
     "upper-bound": (tiny(layout="upper-bound"), False),
+    "desync, uneven KV groups": (tiny(dim=96, n_heads=6, n_kv_heads=3, layout="desync"), False),
 }
+PER_TP = ("desync, default pattern", "upper-bound", "desync, uneven KV groups")  # defined per TP degree
 # At TP=2 these compare against a *different* TP=1 model (by design of layouts.md):
 EXPECTED_AT_TP1 = {"desync, every module reduced": tiny()}
 
@@ -47,7 +50,7 @@ def _tp1(name):
     return cached_logits(make_model(EXPECTED_AT_TP1.get(name, config)), PROMPT, DECODE)
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ("desync, default pattern", "upper-bound")])
+@pytest.mark.parametrize("name", [n for n in CASES if n not in PER_TP])
 def test_tp2_equals_tp1(tp2, name):
     index = list(CASES).index(name)
     expected = _tp1(name)
@@ -71,6 +74,22 @@ def test_desync_final_stream_is_synchronised(tp2):
     index = list(CASES).index("desync, default pattern")
     for a, b in zip(tp2[0]["logits"][index], tp2[1]["logits"][index]):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["desync, default pattern", "desync, uneven KV groups"])
+def test_simulated_ranks_equal_real_ranks(tp2, name):
+    # What desync training optimises (two ranks simulated in one process from the whole weights) is what
+    # two real gloo ranks compute from their loaded shards.
+    index = list(CASES).index(name)
+    with torch.no_grad():
+        simulated = SimulatedRanks(make_model(CASES[name][0]), tp=2)(PROMPT)
+    torch.testing.assert_close(tp2[0]["logits"][index][0], simulated, atol=ATOL, rtol=0)
+
+
+def test_simulated_ranks_with_every_module_reduced_are_standard():
+    with torch.no_grad():
+        simulated = SimulatedRanks(make_model(tiny(layout="desync", desync_reduce="all")), tp=2)(PROMPT)
+        torch.testing.assert_close(simulated, make_model(tiny())(PROMPT), atol=ATOL, rtol=0)
 
 
 def test_real_gloo_schedule_overlaps_ladder_only(tp2):

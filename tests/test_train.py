@@ -69,6 +69,48 @@ def test_world_size_2_equals_world_size_1(corpus, tmp_path, parallel):
     assert two[0] == two[1]
 
 
+def test_desync_with_every_module_reduced_trains_as_standard(corpus, tmp_path):
+    # Desync at TP 2 with every module reduced is the standard model written as two simulated ranks: the
+    # same losses (to fp32 summation order) show gradients reach the whole weights through the rank slices.
+    config = tiny_config(corpus, tmp_path / "run", layout="desync", desync_reduce="all", desync_tp=2)
+    assert train(config, progress=False).losses == pytest.approx(GOLDEN, abs=1e-4)
+
+
+def _desync_logits_on_real_ranks(folder, tokens):
+    from ladder.distributed import init_distributed, shutdown_distributed
+    from ladder.loader import ModelSpec, load_model
+
+    ctx = init_distributed("cpu", timeout_s=120)
+    try:
+        loaded = load_model(ModelSpec(model=str(folder), tp=2, device="cpu"), ctx.communicator(), ctx.device)
+        with torch.no_grad():
+            return loaded.model(tokens)
+    finally:
+        shutdown_distributed()
+
+
+def test_desync_checkpoint_runs_on_its_real_ranks(corpus, tmp_path):
+    from ladder.checkpoint import open_hf
+    from ladder.distributed import LocalCommunicator
+    from ladder.loader import ModelSpec, load_model
+    from ladder.simulate import SimulatedRanks
+    from ladder.weights import build_model, load_weights
+
+    result = train(tiny_config(corpus, tmp_path / "run", layout="desync", steps=3), progress=False)
+    saved = json.loads((result.final_dir / "config.json").read_text())
+    assert (saved["residual_layout"], saved["desync_tp"], saved["desync_reduce"]) == ("desync", 2, "mlp")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    checkpoint = open_hf(result.final_dir)
+    whole = build_model(checkpoint.config, LocalCommunicator(), torch.device("cpu"))
+    load_weights(whole, checkpoint.source)
+    with torch.no_grad():
+        simulated = SimulatedRanks(whole, 2)(tokens)
+    real = launch(_desync_logits_on_real_ranks, 2, result.final_dir, tokens)
+    torch.testing.assert_close(real[0], simulated, atol=2e-5, rtol=0)  # as in test_tp.py
+    with pytest.raises(LadderError, match="trained for tensor-parallel degree 2.*--tp 2"):
+        load_model(ModelSpec(model=str(result.final_dir), tp=1, device="cpu"), LocalCommunicator(), torch.device("cpu"))
+
+
 def test_checkpoint_is_a_model_folder_the_cli_runs(corpus, tmp_path):
     result = train(tiny_config(corpus, tmp_path / "run", steps=3), progress=False)
     out = subprocess.run([sys.executable, "-m", "ladder.cli", "generate", "--model", str(result.final_dir),
@@ -99,6 +141,10 @@ def test_bad_input(corpus, tmp_path):
         train(tiny_config(corpus, tmp_path / "b", data=["/no/such.txt"]), progress=False)
     with pytest.raises(LadderError, match="seq_len 300 exceeds the model's context"):
         train(tiny_config(corpus, tmp_path / "c", seq_len=300), progress=False)
+    with pytest.raises(LadderError, match="upper-bound layout never re-synchronises"):
+        train(tiny_config(corpus, tmp_path / "e", layout="upper-bound"), progress=False)
+    with pytest.raises(LadderError, match="n_heads 4 with n_kv_heads 2 cannot be sharded over tensor-parallel degree 3"):
+        train(tiny_config(corpus, tmp_path / "e", layout="desync", desync_tp=3), progress=False)
     with pytest.raises(LadderError, match="unknown config key 'learning_rate'"):
         load_train_config(None, ["learning_rate=1e-3"])
     train(tiny_config(corpus, tmp_path / "d", steps=3), progress=False)

@@ -80,6 +80,8 @@ def with_layout(config: ModelConfig, layout: str | None, ladder_layers: int | No
     if layout is not None:
         changes["layout"] = layout
         changes["ladder_layers"] = ladder_layers
+        if layout != "desync":
+            changes["desync_tp"] = None  # a desync model's rank count means nothing in another layout
     if desync_reduce is not None:
         changes["desync_reduce"] = desync_reduce
     if changes.get("layout") == "parallel" and config.layout != "parallel":
@@ -306,7 +308,7 @@ def config_from_hf(d: dict[str, Any], label: str) -> ModelConfig:
             norm_eps=float(d.get("rms_norm_eps", 1e-5)), max_seq_len=int(d.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             layout=d.get("residual_layout", "standard"), ladder_layers=d.get("ladder_layers"),
-            desync_reduce=d.get("desync_reduce", "mlp"), source=str(d.get("_name_or_path", label)))
+            desync_reduce=d.get("desync_reduce", "mlp"), desync_tp=d.get("desync_tp"), source=str(d.get("_name_or_path", label)))
     except KeyError as exc:
         raise LadderError(f"{label}: config.json lacks {exc}") from None
 
@@ -322,7 +324,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "dtype": "float32", "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         # ladder's own keys: transformers ignores them (and would run the weights as a standard model)
         "residual_layout": config.layout, "ladder_layers": config.n_ladder_layers if config.layout == "ladder" else None,
-        "desync_reduce": config.desync_reduce,
+        "desync_reduce": config.desync_reduce, "desync_tp": config.desync_tp,
     }
     if config.rope_scaling is not None:
         s = config.rope_scaling

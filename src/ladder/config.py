@@ -49,6 +49,7 @@ class ModelConfig:
     layout: str = "standard"
     ladder_layers: int | None = None  # ladder on the last N layers; None means all (ladder layout only)
     desync_reduce: str = "mlp"
+    desync_tp: int | None = None  # the TP degree a trained desync model is defined for (None: any, random weights)
     source: str = ""  # the public model whose shape this mirrors
     head_dim: int = field(init=False)
 
@@ -81,6 +82,12 @@ class ModelConfig:
                     f"ladder_layers must be between 0 and n_layers={self.n_layers}, got {self.ladder_layers}"
                 )
 
+        if self.desync_tp is not None:
+            if layout != "desync":
+                raise LadderError(f"desync_tp is set ({self.desync_tp}) but the layout is {layout!r}")
+            if self.desync_tp < 1:
+                raise LadderError(f"desync_tp must be >= 1, got {self.desync_tp}")
+
     # ---- the layout, module by module -------------------------------------------------------------
 
     @property
@@ -107,7 +114,8 @@ class ModelConfig:
         if self.layout == "ladder" and n < self.n_layers:
             return f"hybrid (ladder on last {n} of {self.n_layers} layers)"
         if self.layout == "desync":
-            return f"desync (reduce {self.desync_reduce})"
+            trained = f", for tp={self.desync_tp}" if self.desync_tp else ""
+            return f"desync (reduce {self.desync_reduce}{trained})"
         return self.layout
 
     # ---- tensor parallelism ----------------------------------------------------------------------
@@ -128,6 +136,13 @@ class ModelConfig:
                 f"use a tp that divides {kv}, is smaller than {kv}, or is a multiple of {kv} dividing {heads}")
         if self.ffn_hidden % tp:
             raise LadderError(f"ffn_hidden {self.ffn_hidden} is not divisible by tensor-parallel degree {tp}")
+
+    def check_run_tp(self, tp: int) -> None:
+        """`check_tp`, plus: a trained desync model computes its trained function only at its own TP degree."""
+        self.check_tp(tp)
+        if self.layout == "desync" and self.desync_tp is not None and tp != self.desync_tp:
+            raise LadderError(f"this desync model was trained for tensor-parallel degree {self.desync_tp} (each rank "
+                              f"keeps its own residual stream); run it with --tp {self.desync_tp}, not {tp}")
 
     def balanced_tp(self, tp: int) -> bool:
         """Whether every rank holds the same number of attention heads at this TP degree."""

@@ -60,7 +60,7 @@ class ModelSpec:
                 config = self.convert(config_from_hf(json.loads(config_file.read_text()), path.name))
             except json.JSONDecodeError as exc:
                 raise LadderError(f"{config_file} is not valid JSON ({exc})") from None
-        config.check_tp(self.tp)
+        config.check_run_tp(self.tp)
         return config
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
@@ -86,14 +86,14 @@ def load_model(spec: ModelSpec, comm: Communicator, device: torch.device) -> Loa
     dtype = spec.torch_dtype(device)
     if spec.model is None:
         config = spec.convert(get_preset(spec.preset))
-        config.check_tp(comm.world_size)
+        config.check_run_tp(comm.world_size)
         model = random_model(config, comm, device, dtype, seed=spec.seed, shard_vocab=spec.shard_vocab)
         return LoadedModel(model.eval(), None, True, time.perf_counter() - start, "random")
     from ladder.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(spec.model)
     config = spec.convert(checkpoint.config)
-    config.check_tp(comm.world_size)
+    config.check_run_tp(comm.world_size)
     model = build_model(config, comm, device, dtype, shard_vocab=spec.shard_vocab)
     load_weights(model, checkpoint.source)
     return LoadedModel(model.eval(), checkpoint.tokenizer, False, time.perf_counter() - start, checkpoint.format)

@@ -31,8 +31,12 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, reader: Any, label: str) -> TextTokenizer | None:
-        """The file's tokenizer, or None when it has none (weights-only files still run on ids)."""
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+        """The file's tokenizer, or None when it has none (weights-only files still run on ids).
+
+        `tokenizer.ggml.model` says which kind: `gpt2` (byte-level BPE with merges, Llama 3, SmolLM2,
+        Qwen) or `llama` (SentencePiece BPE with scores and byte fallback, Llama 1/2, Mistral, TinyLlama).
+        """
+        from tokenizers import AddedToken
 
         def field(key: str, default: Any = None) -> Any:
             f = reader.fields.get(key)
@@ -41,23 +45,18 @@ class TextTokenizer:
         kind = field("tokenizer.ggml.model")
         if kind is None:
             return None
-        if kind != "gpt2":
-            raise LadderError(f"{label}: tokenizer type {kind!r} is not supported (ladder reads GPT-2-style "
-                              "byte-level BPE tokenizers from GGUF)")
         tokens: list[str] = field("tokenizer.ggml.tokens")
-        merges = field("tokenizer.ggml.merges")
-        if not tokens or merges is None:
-            raise LadderError(f"{label}: tokenizer tokens or merges are missing")
-        vocab = {token: i for i, token in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
-        split = GGUF_PRE_SPLITS.get(field("tokenizer.ggml.pre", ""))
-        if split:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                  use_regex=False)])
+        if not tokens:
+            raise LadderError(f"{label}: the tokenizer has no tokens")
+        if kind == "gpt2":
+            tok = _byte_level_bpe(tokens, field("tokenizer.ggml.merges"), field("tokenizer.ggml.pre", ""), label)
+        elif kind == "llama":
+            tok = _sentencepiece_bpe(tokens, field("tokenizer.ggml.scores"), field("tokenizer.ggml.merges"),
+                                     field("tokenizer.ggml.unknown_token_id"),
+                                     bool(field("tokenizer.ggml.add_space_prefix", True)), label)
         else:
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
+            raise LadderError(f"{label}: tokenizer type {kind!r} is not supported (ladder reads byte-level BPE "
+                              "'gpt2' and SentencePiece 'llama' tokenizers from GGUF)")
         types = field("tokenizer.ggml.token_type") or []
         # Control tokens (type 3), like <|im_start|>, stay whole and are special; user-defined (4) stay whole.
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
@@ -68,8 +67,9 @@ class TextTokenizer:
             i = field(f"tokenizer.ggml.{key}_token_id")
             return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-        return cls(tok, token("bos"), token("eos"), bool(field("tokenizer.ggml.add_bos_token", False)),
-                   field("tokenizer.chat_template"))
+        # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
+        add_bos = bool(field("tokenizer.ggml.add_bos_token", kind == "llama"))
+        return cls(tok, token("bos"), token("eos"), add_bos, field("tokenizer.chat_template"))
 
     @classmethod
     def bytes(cls) -> TextTokenizer:
@@ -151,6 +151,64 @@ class TextTokenizer:
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as exc:
             raise LadderError(f"the chat template failed: {exc}") from None
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str, label: str) -> Any:
+    """GPT-2-style BPE: tokens spelled in the byte alphabet, merges in the file, a split regex by name."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if merges is None:
+        raise LadderError(f"{label}: the byte-level BPE tokenizer has no merges")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    split = GGUF_PRE_SPLITS.get(pre)
+    if split:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, merges: list[str] | None,
+                       unk_id: int | None, add_space_prefix: bool, label: str) -> Any:
+    """SentencePiece BPE as `tokenizers` runs it: spaces become U+2581, a space is prepended to the text,
+    characters outside the vocabulary fall back to <0xNN> byte tokens.
+
+    GGUF keeps SentencePiece's piece scores, not merges. SentencePiece merges the adjacent pair whose
+    union scores highest, so every split of a piece into two pieces is a merge ranked by that piece's
+    score (the conversion transformers and SentencePiece's own extractor use)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if merges is not None:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    elif scores is not None and len(scores) == len(tokens):
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
+    else:
+        raise LadderError(f"{label}: the SentencePiece tokenizer has neither merges nor one score per token")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                 prepend_scheme="first" if add_space_prefix else "never")
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if add_space_prefix else []))
+    return tok
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every (left, right) split of every piece into two pieces, best-scoring union first. Ties are
+    broken as transformers' GGUF converter does (longer left piece, longer right piece, then id order),
+    so both read a file's vocabulary the same way."""
+    ranked = []
+    for piece, score in scores.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, -len(left), -len(right), vocab[piece], vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _bytes_to_unicode() -> dict[int, str]:

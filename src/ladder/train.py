@@ -40,6 +40,8 @@ class TrainConfig:
     layout: str | None = None
     ladder_layers: int | None = None
     train_only_ladder_layers: bool = False  # adaptation: freeze everything but the converted layers
+    desync_reduce: str | None = None  # desync layout: which modules all-reduce (default: the MLPs)
+    desync_tp: int | None = None  # desync layout: the TP degree to train for, ranks simulated (default: 2)
     # data
     data: list[str] = field(default_factory=lambda: ["shakespeare:train"])
     heldout: list[str] = field(default_factory=lambda: ["shakespeare:heldout"])
@@ -310,14 +312,17 @@ def _build(config: TrainConfig, device: torch.device) -> tuple[Any, Any]:
         checkpoint = open_checkpoint(config.model)
         if checkpoint.tokenizer is None:
             raise LadderError(f"{config.model} has no tokenizer to read the training text with")
-        model_config = with_layout(checkpoint.config, config.layout, config.ladder_layers)
+        model_config = _with_desync_tp(with_layout(checkpoint.config, config.layout, config.ladder_layers,
+                                                   config.desync_reduce), config)
         model = build_model(model_config, LocalCommunicator(), device)
         load_weights(model, checkpoint.source)
         return model, checkpoint.tokenizer
     changes: dict[str, Any] = {}
     if config.layout is not None or config.ladder_layers is not None:
         changes = {"layout": config.layout or "ladder", "ladder_layers": config.ladder_layers}
-    model_config = get_preset(config.preset or "tiny", **changes)  # from scratch: any layout
+    if config.desync_reduce is not None:
+        changes["desync_reduce"] = config.desync_reduce
+    model_config = _with_desync_tp(get_preset(config.preset or "tiny", **changes), config)  # from scratch: any layout
     tokenizer = TextTokenizer.bytes()
     if model_config.vocab_size != tokenizer.vocab_size:
         raise LadderError(f"preset {config.preset} has vocab_size {model_config.vocab_size}; training from scratch "
@@ -325,6 +330,20 @@ def _build(config: TrainConfig, device: torch.device) -> tuple[Any, Any]:
     model = build_model(model_config, LocalCommunicator(), device)
     load_weights(model, DictSource(init_hf_state_dict(model_config, config.seed)))
     return model, tokenizer
+
+
+def _with_desync_tp(model_config: Any, config: TrainConfig) -> Any:
+    """A desync model is trained for one TP degree (its ranks simulated); record which in its config."""
+    if model_config.layout == "upper-bound":
+        raise LadderError("the upper-bound layout never re-synchronises its ranks: a speed ceiling, not a model "
+                          "to train (train desync instead)")
+    if model_config.layout != "desync":
+        if config.desync_tp is not None:
+            raise LadderError(f"desync_tp is set ({config.desync_tp}) but the layout is {model_config.layout!r}")
+        return model_config
+    tp = config.desync_tp or model_config.desync_tp or 2
+    model_config.check_tp(tp)
+    return model_config.replace(desync_tp=tp)
 
 
 def freeze_non_ladder(model: Any) -> int:
@@ -376,7 +395,14 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
     elif checkpoint_dirs(out_dir):
         raise LadderError(f"{out_dir} already holds checkpoints: pass --resume to continue, or choose another out_dir")
 
-    core = model
+    core = model  # the Transformer: what checkpoints save
+    if model.config.layout == "desync":
+        from ladder.simulate import SimulatedRanks
+        if world > 1 and config.parallel == "fsdp":
+            raise LadderError("desync training simulates its ranks inside each process, which FSDP cannot shard: "
+                              "use parallel=ddp")
+        model = SimulatedRanks(model, model.config.desync_tp)
+    net = model  # what computes the loss, before data parallelism wraps it
     if world > 1:
         if config.parallel == "fsdp":
             from torch.distributed.fsdp import fully_shard
@@ -437,7 +463,7 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
                                       "tokens": (step + 1) * tokens_per_step,
                                       "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
             if heldout is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
-                eval_loss = evaluate_loss(core, heldout, config, ctx)
+                eval_loss = evaluate_loss(net, heldout, config, ctx)
                 record.update(eval_loss=eval_loss, eval_ppl=math.exp(eval_loss))
             if rank == 0:
                 with metrics_path.open("a") as f:
@@ -453,7 +479,7 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
         _save(out_dir, done, core, optimizer, config, tokenizer, rank, world, dist)
         raise LadderError(f"interrupted: saved step {done} to {out_dir / 'checkpoints'}; continue with --resume") from None
     if eval_loss is None and heldout is not None:  # e.g. resumed a run that had already finished
-        eval_loss = evaluate_loss(core, heldout, config, ctx)
+        eval_loss = evaluate_loss(net, heldout, config, ctx)
     final = _save(out_dir, config.steps, core, optimizer, config, tokenizer, rank, world, dist)
     return TrainResult(losses, final, eval_loss)
 

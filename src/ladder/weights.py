@@ -177,22 +177,40 @@ def random_model(config: ModelConfig, comm: Communicator, device: torch.device,
     return model
 
 
-def export_hf_state_dict(model: Transformer, params: dict[str, torch.Tensor] | None = None
-                         ) -> dict[str, torch.Tensor]:
-    """The unsharded model's weights under Hugging Face names (TP=1 only). `params`: the model's
-    parameters as whole tensors, when they are not plain (e.g. gathered from FSDP shards)."""
+def hf_views(model: Transformer, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The unsharded model's parameters under Hugging Face names, as views that keep their autograd
+    history (fused QKV and gate/up are split back). TP=1 only. `params`: the model's parameters as
+    whole tensors, when they are not plain (e.g. gathered from FSDP shards)."""
     if model.comm.world_size != 1:
         raise LadderError("exporting weights needs the unsharded model (tp=1)")
     params = params or dict(model.named_parameters(remove_duplicate=False))
+    shapes = dict(hf_names(model.config))
     out: dict[str, torch.Tensor] = {}
     for name, parts in shard_plan(model.config, model.shard, 0):
         if name == "output.weight" and model.config.tie_embeddings:
             continue
-        tensor = params[name].detach()
-        sizes = [_length(index[0], shape[0]) for (hf, index), shape in
-                 zip(parts, (dict(hf_names(model.config))[hf] for hf, _ in parts))]
-        for (hf, _), piece in zip(parts, tensor.split(sizes, dim=0)):
-            out[hf] = piece.contiguous()
+        sizes = [_length(index[0], shapes[hf][0]) for hf, index in parts]
+        for (hf, _), piece in zip(parts, params[name].split(sizes, dim=0)):
+            out[hf] = piece
+    return out
+
+
+def export_hf_state_dict(model: Transformer, params: dict[str, torch.Tensor] | None = None
+                         ) -> dict[str, torch.Tensor]:
+    """The unsharded model's weights under Hugging Face names, detached copies (TP=1 only)."""
+    return {name: t.detach().contiguous() for name, t in hf_views(model, params).items()}
+
+
+def rank_parameters(config: ModelConfig, hf: dict[str, torch.Tensor], rank: int, tp: int,
+                    prefix: str = "") -> dict[str, torch.Tensor]:
+    """Rank `rank`'s parameters (our names starting with `prefix`) cut from whole Hugging Face tensors:
+    the same slices `load_weights` copies on a real rank, but differentiable (see `ladder.simulate`)."""
+    shard = ShardShape.of(config, rank, tp)
+    out = {}
+    for name, parts in shard_plan(config, shard, rank):
+        if name.startswith(prefix) and parts[0][0] in hf:
+            pieces = [DictSource(hf).get(source, index) for source, index in parts]
+            out[name] = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
     return out
 
 
