@@ -55,6 +55,13 @@ def test_resume_equals_uninterrupted(corpus, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_resume_a_ladder_run(corpus, tmp_path):
+    # The checkpoint spells "ladder on every layer" as ladder_layers = n_layers, the config as None.
+    train(tiny_config(corpus, tmp_path / "run", layout="ladder", steps=3, stop_at=2), progress=False)
+    resumed = train(tiny_config(corpus, tmp_path / "run", layout="ladder", steps=3), resume=True, progress=False)
+    assert len(resumed.losses) == 1
+
+
 def _train_rank(config):
     return train(config, progress=False).losses
 

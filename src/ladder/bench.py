@@ -324,6 +324,14 @@ def group_key(r: dict[str, Any]) -> tuple:
             r["prompt_len"], r["gen_len"], r.get("device"), bool(r.get("compile")))
 
 
+def link_label(r: dict[str, Any]) -> str:
+    """The interconnect as results show it: `real`, or `pcie-no-p2p x10 (emulated)` (x: the dilation)."""
+    if not r.get("emulated"):
+        return r["interconnect"]
+    scale = r.get("link_scale", 1.0)
+    return f"{r['interconnect']}{f' x{scale:g}' if scale != 1 else ''} (emulated)"
+
+
 def layout_label(r: dict[str, Any]) -> str:
     if r["layout"] == "ladder" and r.get("ladder_layers") is not None:
         return f"ladder[{r['ladder_layers']}]"
@@ -341,7 +349,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     for key, by_layout in groups.items():
         standard, upper = by_layout.get("standard"), by_layout.get("upper-bound")
         for label, r in by_layout.items():
-            row = {"preset": key[0], "interconnect": key[1], "emulated": r["emulated"], "tp": key[3],
+            row = {"preset": key[0], "interconnect": key[1], "link": link_label(r), "emulated": r["emulated"], "tp": key[3],
                    "batch_size": key[4], "layout": label, "tokens_per_s": r["tokens_per_s"],
                    "speedup": None, "hidden": None}
             if standard:
@@ -352,13 +360,13 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                         row["hidden"] = (t_std - t_lad) / (t_std - t_ub)
             rows.append(row)
     order = {"standard": 0, "parallel": 1, "ladder": 2, "desync": 3, "upper-bound": 4}
-    rows.sort(key=lambda r: (r["preset"], r["interconnect"], r["tp"], r["batch_size"],
+    rows.sort(key=lambda r: (r["preset"], r["link"], r["tp"], r["batch_size"],
                              order.get(r["layout"].split("[")[0], 9), r["layout"]))
     return rows
 
 
 def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str]:
-    link = r["interconnect"] + (" (emulated)" if r["emulated"] else "")
+    link = r["link"]
     speed = f"{r['speedup']:.3f}" if r["speedup"] is not None else "-"
     hidden = f"{r['hidden']:.2f}" if r["hidden"] is not None else ""
     return link, speed, hidden

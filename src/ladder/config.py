@@ -97,6 +97,12 @@ class ModelConfig:
             return 0
         return self.n_layers if self.ladder_layers is None else self.ladder_layers
 
+    def canonical(self) -> ModelConfig:
+        """This model with equivalent spellings unified (ladder on all layers: None or n_layers; the
+        source label), so two configs of one model compare equal."""
+        ladder_layers = self.n_ladder_layers if self.layout == "ladder" else None
+        return self.replace(ladder_layers=ladder_layers, source="")
+
     def is_ladder_layer(self, layer: int) -> bool:
         return layer >= self.n_layers - self.n_ladder_layers
 

@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ladder.bench import layout_label, summarise
+from ladder.bench import layout_label, link_label, summarise
 from ladder.errors import LadderError
 
 COLORS = {"standard": "tab:gray", "parallel": "tab:blue", "ladder": "tab:red", "desync": "tab:purple",
@@ -23,8 +23,13 @@ def _pyplot():
     return plt
 
 
-def _panel_title(preset: str, interconnect: str, emulated: bool) -> str:
-    return f"{preset}, {interconnect}{' (emulated)' if emulated else ''}"
+def _panel(r: dict[str, Any]) -> tuple[str, str]:
+    """Results drawn together: one model on one link (at one dilation)."""
+    return r["preset"], link_label(r)
+
+
+def _panel_title(preset: str, link: str) -> str:
+    return f"{preset}, {link}"
 
 
 def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, results_path: Path | None = None
@@ -36,7 +41,7 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     out_dir = out_dir or (results_path.parent if results_path else Path("."))
     out_dir.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
-    panels = sorted({(r["preset"], r["interconnect"], r["emulated"]) for r in ok})
+    panels = sorted({_panel(r) for r in ok})
     paths = []
 
     # 1. tokens/s vs batch, one line per (layout, tp)
@@ -44,7 +49,7 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     for ax, panel in zip(axes[0], panels):
         series: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
         for r in ok:
-            if (r["preset"], r["interconnect"], r["emulated"]) == panel:
+            if _panel(r) == panel:
                 series[(layout_label(r), r["tp"])].append((r["batch_size"], r["tokens_per_s"]))
         for (label, tp), pts in sorted(series.items()):
             pts.sort()
@@ -63,7 +68,7 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     for ax, panel in zip(axes[0], panels):
         series = defaultdict(list)
         for r in rows:
-            if (r["preset"], r["interconnect"], r["emulated"]) == panel:
+            if (r["preset"], r["link"]) == panel:
                 series[(r["layout"], r["tp"])].append((r["batch_size"], r["speedup"]))
         for (label, tp), pts in sorted(series.items()):
             pts.sort()
@@ -81,7 +86,7 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     for ax, panel in zip(axes[0], panels):
         by_layout = defaultdict(list)
         for r in ok:
-            if (r["preset"], r["interconnect"], r["emulated"]) == panel and r.get("decode_token_latency_ms"):
+            if _panel(r) == panel and r.get("decode_token_latency_ms"):
                 by_layout[layout_label(r)].append((r["decode_token_latency_ms"]["p50"],
                                                    r["tokens_per_s_per_device"], r["tp"], r["batch_size"]))
         for label, pts in sorted(by_layout.items()):

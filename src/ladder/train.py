@@ -496,7 +496,7 @@ def _latest_checkpoint(out_dir: Path, model: Any) -> Path:
     from ladder.weights import load_weights
 
     checkpoint = open_hf(found[-1])
-    if checkpoint.config.replace(source="") != model.config.replace(source=""):
+    if checkpoint.config.canonical() != model.config.canonical():
         raise LadderError(f"{found[-1]} holds a model of another shape or layout than this config builds")
     load_weights(model, checkpoint.source)
     return found[-1]
