@@ -46,9 +46,15 @@ class SimulatedRanks(nn.Module):
             raise LadderError("simulated ranks need the whole model (built with tp=1)")
         config.check_tp(tp)
         self.model, self.tp = model, tp
+        self.config = config
         with torch.device("meta"):
             # A plain list: these shells hold no weights of their own and must not appear as parameters.
             self._branches = [_RankBranch(Block(config, ShardShape.of(config, k, tp))) for k in range(tp)]
+
+    @property
+    def output(self) -> nn.Linear:
+        """The output head (shared with the whole model): where `ladder.evaluate` finds the device."""
+        return self.model.output
 
     def _rank_layer_weights(self) -> list[list[dict[str, torch.Tensor]]]:
         """[rank][layer] -> that rank's weights of that layer, named as in `Block`."""
