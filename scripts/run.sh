@@ -5,7 +5,7 @@
 #     b. on an emulated PCIe link without P2P at TP 4: one rank's exact shard computes for real, each
 #        all-reduce is a wait of the modelled duration, dilated so that communication takes roughly
 #        the share of a step it takes on the GPUs the link was calibrated on (about a quarter at TP 4,
-#        batch 1 and 4): 10x at batch 1, 40x at batch 4, where this CPU's compute grows with the batch
+#        batch 1 and 4): 10x at batch 1, 25x at batch 4, since this CPU's compute grows with the batch
 #        and a GPU's barely does;
 #  2. plots drawn from the results file;
 #  3. the cost model's prediction for Llama-3-70B on 8x H100 and its check against the paper.
@@ -15,9 +15,12 @@ bash scripts/setup.sh
 out=${LADDER_RESULTS:-results/cpu}
 mkdir -p "$out"
 [ -f "$out/bench.jsonl" ] && mv "$out/bench.jsonl" "$out/bench.previous.jsonl"
-.venv/bin/ladder bench --interconnect real --tp 2 --out "$out/bench.jsonl" "$@"
-.venv/bin/ladder bench --interconnect pcie-no-p2p --link-scale 10 --tp 4 --gen-len 64 --out "$out/bench.jsonl" "$@"
-.venv/bin/ladder bench --interconnect pcie-no-p2p --link-scale 40 --tp 4 --gen-len 64 --batch-sizes 4 \
+# Rounds interleave the configurations (each round: fresh workers, 1 warm-up + 3 runs) and the summary
+# pools them: this shared CPU drifts by +-10 % over minutes.
+.venv/bin/ladder bench --interconnect real --tp 2 --runs 3 --rounds 2 --out "$out/bench.jsonl" "$@"
+.venv/bin/ladder bench --interconnect pcie-no-p2p --link-scale 10 --tp 4 --batch-sizes 1 --runs 3 --rounds 3 \
+    --out "$out/bench.jsonl" "$@"
+.venv/bin/ladder bench --interconnect pcie-no-p2p --link-scale 25 --tp 4 --batch-sizes 4 --runs 3 --rounds 3 \
     --out "$out/bench.jsonl" "$@"
 .venv/bin/ladder bench plot "$out/bench.jsonl"
 .venv/bin/ladder predict --preset llama-3-70b --gpu h100 --interconnect nvlink-h100 --tp 8

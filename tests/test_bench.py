@@ -28,7 +28,7 @@ def sweep(tmp_path_factory):
             "--prompt-len", "8", "--gen-len", "4", "--warmup", "1", "--runs", "2", "--no-progress"]
     real = ladder_cli("bench", *args, "--interconnect", "real", "--out", str(out))
     emulated = ladder_cli("bench", *args, "--interconnect", "custom", "--link-latency-us", "300",
-                          "--link-bandwidth-gbps", "1", "--out", str(out))
+                          "--link-bandwidth-gbps", "1", "--rounds", "2", "--out", str(out))
     assert real.returncode == 0, real.stderr
     assert emulated.returncode == 0, emulated.stderr
     return out, real.stdout + emulated.stdout
@@ -37,7 +37,7 @@ def sweep(tmp_path_factory):
 def test_results_file_is_well_formed(sweep):
     out, stdout = sweep
     records = read_results(out)
-    assert len(records) == 12  # appended: 3 layouts x 2 TP x 2 interconnects
+    assert len(records) == 18  # appended: 3 layouts x 2 TP, real once and emulated in 2 rounds
     for r in records:
         assert r["status"] == "ok", r
         assert REQUIRED <= set(r), REQUIRED - set(r)
@@ -47,7 +47,12 @@ def test_results_file_is_well_formed(sweep):
         assert len(runs) == 2 and min(runs) <= r["tokens_per_s"] <= max(runs)
         assert min(runs) * 0.999 <= r["batch_size"] * r["gen_len"] / r["total_s"] <= max(runs) * 1.001
     emulated = [r for r in records if r["emulated"]]
-    assert len(emulated) == 6 and all(r["interconnect"] == "custom" for r in emulated)
+    assert len(emulated) == 12 and all(r["interconnect"] == "custom" for r in emulated)
+    assert [r["round"] for r in emulated] == [0] * 6 + [1] * 6  # interleaved: every configuration, then again
+    for r in emulated:  # measured inside each run: a share of the modelled communication
+        assert 0 <= r["exposed_comm_s_per_run"] <= r["modelled_comm_s_per_run"] + 1e-9
+        assert r["hidden_in_run"] == pytest.approx(1 - r["exposed_comm_s_per_run"] / r["modelled_comm_s_per_run"]) \
+            if r["modelled_comm_s_per_run"] else r["hidden_in_run"] is None
     assert {r["all_reduces_per_run"] for r in emulated if r["tp"] == 2 and r["layout"] != "upper-bound"} == {4 * 8}  # (prefill + 3 decode steps) x 2 per layer x 4 layers
     assert "speedup" in stdout and "(emulated)" in stdout
 
@@ -58,6 +63,21 @@ def test_summary_speedups_and_hidden_fraction(sweep):
     assert len(ladder) == 2 and all(r["speedup"] is not None for r in ladder)
     assert all(r["hidden"] is not None for r in ladder)
     assert all(r["speedup"] == 1.0 for r in rows if r["layout"] == "standard")
+
+
+def test_summary_pools_rounds():
+    def record(layout, runs, round_):
+        return {"status": "ok", "preset": "tiny", "interconnect": "custom", "emulated": True, "link_scale": 1.0,
+                "tp": 2, "batch_size": 2, "prompt_len": 8, "gen_len": 4, "layout": layout, "round": round_,
+                "tokens_per_s": sorted(runs)[len(runs) // 2], "tokens_per_s_runs": runs}
+
+    records = [record("standard", [10, 10], 0), record("ladder", [12, 14], 0), record("upper-bound", [20, 20], 0),
+               record("standard", [10, 11], 1), record("ladder", [20, 19, 18], 1), record("upper-bound", [20, 21], 1)]
+    rows = {r["layout"]: r for r in summarise(records)}
+    assert rows["ladder"]["records"] == 2 and rows["ladder"]["tokens_per_s"] == 18  # median of all 5 runs
+    assert rows["ladder"]["speedup"] == pytest.approx(18 / 10)
+    t_std, t_lad, t_ub = 8 / 10, 8 / 18, 8 / 20  # batch x gen_len / tokens/s
+    assert rows["ladder"]["hidden"] == pytest.approx((t_std - t_lad) / (t_std - t_ub))
 
 
 def test_plot_files(sweep, tmp_path):
@@ -102,6 +122,21 @@ def test_emulated_link_overlaps_compute_and_serialises_collectives():
     first.wait()
     second.wait()
     assert _close(time.perf_counter() - start, 2 * d)  # one link: the second waits for the first
+
+
+def test_emulated_link_counts_only_communication_compute_did_not_hide():
+    link = LinkModel("test", latency_us=20_000.0, bandwidth_gbps=1000.0)
+    comm = EmulatedCommunicator(link, world_size=2, device=torch.device("cpu"))
+    x = torch.zeros(16)
+    d = link.all_reduce_s(64, 2)
+    comm.all_reduce(x)  # waited for at once: all of it exposed
+    exposed_first = comm.exposed_s
+    handle = comm.all_reduce_async(x)
+    time.sleep(1.5 * d)  # "compute" outlasts the transfer: none of it exposed
+    handle.wait()
+    # Exposure is what was still in flight at wait(), so a slow machine cannot inflate it past d.
+    assert 0.75 * d <= exposed_first <= d and comm.exposed_s == exposed_first
+    assert comm.hidden_fraction == pytest.approx(1 - exposed_first / (2 * d))
 
 
 def test_failed_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):

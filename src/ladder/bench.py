@@ -143,7 +143,7 @@ def bench_on_rank(point: BenchPoint) -> dict[str, Any] | None:
         for _ in range(point.warmup):
             engine.generate(prompt, point.gen_len, sampling)
         if isinstance(comm, EmulatedCommunicator):
-            comm.modelled_s, comm.count = 0.0, 0
+            comm.reset_counters()  # count the measured runs only
         runs = []
         for _ in range(point.runs):
             synchronize(device)
@@ -197,6 +197,8 @@ def _result(point: BenchPoint, config: ModelConfig, model: torch.nn.Module, devi
     if isinstance(comm, EmulatedCommunicator):
         result["modelled_comm_s_per_run"] = comm.modelled_s / max(point.runs, 1)
         result["all_reduces_per_run"] = comm.count // max(point.runs, 1)
+        result["exposed_comm_s_per_run"] = comm.exposed_s / max(point.runs, 1)
+        result["hidden_in_run"] = comm.hidden_fraction
     return result
 
 
@@ -283,18 +285,24 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True) -> list[dict[str, Any]]:
+def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds: int = 1) -> list[dict[str, Any]]:
+    """Measure every point, `rounds` times over: round-robin, so that a slow spell of a shared machine
+    hits every layout alike instead of biasing whichever configuration ran during it."""
     from tqdm import tqdm
 
+    if rounds < 1:
+        raise LadderError(f"--rounds must be at least 1, got {rounds}")
     out.parent.mkdir(parents=True, exist_ok=True)
     is_main = int(os.environ.get("RANK", "0")) == 0
     records = []
-    bar = tqdm(points, desc="bench", unit="config", disable=not (progress and is_main), dynamic_ncols=True)
-    for point in bar:
+    schedule = [(i, point) for i in range(rounds) for point in points]
+    bar = tqdm(schedule, desc="bench", unit="config", disable=not (progress and is_main), dynamic_ncols=True)
+    for i, point in bar:
         bar.set_postfix_str(f"{point.preset} {point.layout} tp={point.tp} bs={point.batch_size} "
-                            f"{point.interconnect}")
+                            f"{point.interconnect}" + (f" round {i + 1}/{rounds}" if rounds > 1 else ""))
         record = run_point(point)
         if record and is_main:
+            record["round"] = i
             append_jsonl(out, record)
             records.append(record)
             if record["status"] != "ok":
@@ -340,22 +348,27 @@ def layout_label(r: dict[str, Any]) -> str:
 
 def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per comparable group: every layout's speedup over standard, and for ladder the fraction of
-    communication hidden, (t_standard - t_ladder) / (t_standard - t_upper_bound)."""
-    groups: dict[tuple, dict[str, dict[str, Any]]] = {}
+    communication hidden, (t_standard - t_ladder) / (t_standard - t_upper_bound).
+
+    Records of one configuration (several `--rounds`, or a sweep run again into the same file) are
+    pooled: a layout's throughput is the median over all its measured runs."""
+    pooled: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
     for r in records:
         if r.get("status") == "ok":
-            groups.setdefault(group_key(r), {})[layout_label(r)] = r
+            pooled.setdefault(group_key(r), {}).setdefault(layout_label(r), []).append(r)
     rows = []
-    for key, by_layout in groups.items():
-        standard, upper = by_layout.get("standard"), by_layout.get("upper-bound")
-        for label, r in by_layout.items():
-            row = {"preset": key[0], "interconnect": key[1], "link": link_label(r), "emulated": r["emulated"], "tp": key[3],
-                   "batch_size": key[4], "layout": label, "tokens_per_s": r["tokens_per_s"],
-                   "speedup": None, "hidden": None}
-            if standard:
-                row["speedup"] = r["tokens_per_s"] / standard["tokens_per_s"]
-                if label.startswith("ladder") and upper:
-                    t_std, t_lad, t_ub = standard["total_s"], r["total_s"], upper["total_s"]
+    for key, by_layout in pooled.items():
+        tps = {label: statistics.median(x for r in rs for x in r.get("tokens_per_s_runs") or [r["tokens_per_s"]])
+               for label, rs in by_layout.items()}
+        seconds = {label: key[4] * key[6] / value for label, value in tps.items()}  # batch * gen_len / tokens/s
+        for label, rs in by_layout.items():
+            row = {"preset": key[0], "interconnect": key[1], "link": link_label(rs[0]), "emulated": rs[0]["emulated"],
+                   "tp": key[3], "batch_size": key[4], "layout": label, "tokens_per_s": tps[label],
+                   "records": len(rs), "speedup": None, "hidden": None, "hidden_in_run": _pooled_in_run(rs)}
+            if "standard" in tps:
+                row["speedup"] = tps[label] / tps["standard"]
+                if label.startswith("ladder") and "upper-bound" in tps:
+                    t_std, t_lad, t_ub = seconds["standard"], seconds[label], seconds["upper-bound"]
                     if t_std - t_ub > 0:
                         row["hidden"] = (t_std - t_lad) / (t_std - t_ub)
             rows.append(row)
@@ -365,25 +378,36 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str]:
-    link = r["link"]
+def _pooled_in_run(records: list[dict[str, Any]]) -> float | None:
+    """1 - exposed / modelled communication over every measured run of an emulated configuration."""
+    measured = [r for r in records if r.get("hidden_in_run") is not None and r.get("modelled_comm_s_per_run")]
+    modelled = sum(r["modelled_comm_s_per_run"] for r in measured)
+    return 1.0 - sum(r["exposed_comm_s_per_run"] for r in measured) / modelled if modelled else None
+
+
+def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str, str]:
     speed = f"{r['speedup']:.3f}" if r["speedup"] is not None else "-"
     hidden = f"{r['hidden']:.2f}" if r["hidden"] is not None else ""
-    return link, speed, hidden
+    in_run = f"{r['hidden_in_run']:.2f}" if r.get("hidden_in_run") is not None else ""
+    return r["link"], speed, hidden, in_run
 
 
 def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
+    """`hidden`: from whole runs, (t_standard - t) / (t_standard - t_upper_bound); `in run`: measured
+    inside each emulated run, the share of the modelled communication that was over before compute needed it."""
     if markdown:
-        lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden |", "|---|---|---|---|---|---|---|"]
+        lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden | hidden in run |",
+                 "|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            link, speed, hidden = _summary_cells(r)
+            link, speed, hidden, in_run = _summary_cells(r)
             lines.append(f"| {link} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
-                         f"{speed} | {hidden} |")
+                         f"{speed} | {hidden} | {in_run} |")
         return "\n".join(lines)
-    header = f"{'preset':<14}{'interconnect':<22}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'speedup':>9}{'hidden':>8}"
+    header = (f"{'preset':<14}{'interconnect':<28}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'speedup':>9}"
+              f"{'hidden':>8}{'in run':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        link, speed, hidden = _summary_cells(r)
-        lines.append(f"{r['preset']:<14}{link:<22}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
-                     f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}")
+        link, speed, hidden, in_run = _summary_cells(r)
+        lines.append(f"{r['preset']:<14}{link:<28}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
+                     f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{in_run:>8}")
     return "\n".join(lines)

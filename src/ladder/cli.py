@@ -281,14 +281,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         link_scale=args.link_scale, ladder_layers=args.ladder_layers)
     out = Path(args.out)
     print(f"ladder bench: {len(points)} configurations, random weights, prompt {args.prompt_len}, "
-          f"{args.gen_len} new tokens, {args.warmup} warm-up + {args.runs} measured runs each -> {out}",
+          f"{args.gen_len} new tokens, {args.warmup} warm-up + {args.runs} measured runs each"
+          + (f", {args.rounds} rounds" if args.rounds > 1 else "") + f" -> {out}",
           flush=True)
     for link in links:
         if link is not None:
             print(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us per rank "
                   f"beyond 2) + ring bytes / {link.bandwidth_gbps:.1f} GB/s, times x{args.link_scale:g}; {link.source}",
                   flush=True)
-    records = run_sweep(points, out, progress=not args.no_progress)
+    records = run_sweep(points, out, progress=not args.no_progress, rounds=args.rounds)
     if records:
         print(format_summary(summarise(records)))
         failed = sum(r["status"] != "ok" for r in records)
@@ -436,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gen-len", type=int, default=BENCH_DEFAULTS["gen_len"])
     b.add_argument("--warmup", type=int, default=BENCH_DEFAULTS["warmup"], help="warm-up runs (excluded)")
     b.add_argument("--runs", type=int, default=BENCH_DEFAULTS["runs"], help="measured runs")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="repeat the sweep, configurations interleaved; the summary pools every round")
     b.add_argument("--interconnect", default=BENCH_DEFAULTS["interconnect"],
                    help="real (torch.distributed), nvlink-h100, pcie-p2p, pcie-no-p2p, infiniband-ndr or "
                         "custom; comma-separated to compare")

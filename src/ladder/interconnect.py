@@ -140,12 +140,16 @@ def get_link(name: str, latency_us: float | None = None, bandwidth_gbps: float |
 
 
 class _DeadlineHandle:
-    def __init__(self, result: torch.Tensor, deadline: float) -> None:
+    def __init__(self, result: torch.Tensor, deadline: float, comm: EmulatedCommunicator) -> None:
         self.result = result
         self.deadline = deadline
+        self.comm = comm
 
     @torch.compiler.disable
     def wait(self) -> torch.Tensor:
+        # What was still left of the modelled transfer when compute needed the result: not hidden.
+        # (Late wake-ups of this thread are the emulation's overhead, not communication: not counted.)
+        self.comm.exposed_s += max(0.0, self.deadline - time.perf_counter())
         wait_until(self.deadline)
         return self.result
 
@@ -186,10 +190,23 @@ class EmulatedCommunicator:
         self.device = device
         self.link_free_at = 0.0
         self.modelled_s = 0.0  # total modelled communication time (for reports)
+        self.exposed_s = 0.0  # of it, what was still in flight when wait() was called (CPU only)
         self.count = 0
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
             self.cycles_per_s = _sleep_cycles_per_second(device)
+
+    def reset_counters(self) -> None:
+        self.modelled_s, self.exposed_s, self.count = 0.0, 0.0, 0
+
+    @property
+    def hidden_fraction(self) -> float | None:
+        """The share of the modelled communication that overlapped compute, measured inside the run:
+        1 - (still in flight at wait()) / modelled. Immune to the machine's speed drifting between runs, unlike comparing
+        whole runs of different layouts. On CUDA the host cannot see it (the waits are on the GPU)."""
+        if self.device.type == "cuda" or self.modelled_s == 0:
+            return None
+        return 1.0 - self.exposed_s / self.modelled_s
 
     def duration_s(self, x: torch.Tensor) -> float:
         return self.link.all_reduce_s(x.numel() * x.element_size(), self.world_size) * self.scale
@@ -203,7 +220,7 @@ class EmulatedCommunicator:
             return self._cuda_sleep(x, duration)
         start = max(time.perf_counter(), self.link_free_at)
         self.link_free_at = start + duration
-        return _DeadlineHandle(x, self.link_free_at)
+        return _DeadlineHandle(x, self.link_free_at, self)
 
     @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
