@@ -80,8 +80,6 @@ def with_layout(config: ModelConfig, layout: str | None, ladder_layers: int | No
     if layout is not None:
         changes["layout"] = layout
         changes["ladder_layers"] = ladder_layers
-        if layout != "desync":
-            changes["desync_tp"] = None  # a desync model's rank count means nothing in another layout
     if desync_reduce is not None:
         changes["desync_reduce"] = desync_reduce
     if changes.get("layout") == "parallel" and config.layout != "parallel":

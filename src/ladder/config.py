@@ -169,6 +169,8 @@ class ModelConfig:
         """A copy with some fields changed (validated again)."""
         if changes.get("layout") not in (None, "ladder") and "ladder_layers" not in changes:
             changes["ladder_layers"] = None
+        if changes.get("layout") not in (None, "desync") and "desync_tp" not in changes:
+            changes["desync_tp"] = None  # a desync model's rank count means nothing in another layout
         return dataclasses.replace(self, **changes)
 
     # ---- persistence -----------------------------------------------------------------------------

@@ -202,8 +202,8 @@ class EmulatedCommunicator:
     @property
     def hidden_fraction(self) -> float | None:
         """The share of the modelled communication that overlapped compute, measured inside the run:
-        1 - (still in flight at wait()) / modelled. Immune to the machine's speed drifting between runs, unlike comparing
-        whole runs of different layouts. On CUDA the host cannot see it (the waits are on the GPU)."""
+        1 - (still in flight at wait()) / modelled. Immune to the machine's speed drifting between runs,
+        unlike comparing whole runs of different layouts. On CUDA the host cannot see it (the waits are on the GPU)."""
         if self.device.type == "cuda" or self.modelled_s == 0:
             return None
         return 1.0 - self.exposed_s / self.modelled_s

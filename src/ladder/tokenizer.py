@@ -160,7 +160,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str] | None, pre: str, label
     if merges is None:
         raise LadderError(f"{label}: the byte-level BPE tokenizer has no merges")
     vocab = {token: i for i, token in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merge_pairs(merges), fuse_unk=False))
     split = GGUF_PRE_SPLITS.get(pre)
     if split:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -183,7 +183,7 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, merges: li
 
     vocab = {token: i for i, token in enumerate(tokens)}
     if merges is not None:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = _merge_pairs(merges)
     elif scores is not None and len(scores) == len(tokens):
         pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
     else:
@@ -195,6 +195,11 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, merges: li
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if add_space_prefix else []))
     return tok
+
+
+def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
+    """GGUF stores each merge as "left right"."""
+    return [tuple(m.split(" ", 1)) for m in merges]  # type: ignore[misc]
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:

@@ -469,23 +469,20 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
-                _save(out_dir, step + 1, core, optimizer, config, tokenizer, rank, world, dist)
-            if config.stop_at is not None and step + 1 >= config.stop_at and step + 1 < config.steps:
-                return TrainResult(losses, _save(out_dir, step + 1, core, optimizer, config, tokenizer, rank, world,
-                                                 dist), eval_loss)
+            if step + 1 < config.steps:  # the last step is saved after the loop
+                stopping = config.stop_at is not None and step + 1 >= config.stop_at
+                if stopping or (step + 1) % config.checkpoint_every == 0:
+                    saved = save_checkpoint(out_dir, step + 1, core, optimizer, config, tokenizer, rank, world)
+                    if stopping:
+                        return TrainResult(losses, saved, eval_loss)
     except KeyboardInterrupt:
         done = start_step + len(losses)  # steps whose optimizer update completed
-        _save(out_dir, done, core, optimizer, config, tokenizer, rank, world, dist)
+        save_checkpoint(out_dir, done, core, optimizer, config, tokenizer, rank, world)
         raise LadderError(f"interrupted: saved step {done} to {out_dir / 'checkpoints'}; continue with --resume") from None
     if eval_loss is None and heldout is not None:  # e.g. resumed a run that had already finished
         eval_loss = evaluate_loss(net, heldout, config, ctx)
-    final = _save(out_dir, config.steps, core, optimizer, config, tokenizer, rank, world, dist)
+    final = save_checkpoint(out_dir, config.steps, core, optimizer, config, tokenizer, rank, world)
     return TrainResult(losses, final, eval_loss)
-
-
-def _save(out_dir, step, core, optimizer, config, tokenizer, rank, world, dist) -> Path:
-    return save_checkpoint(out_dir, step, core, optimizer, config, tokenizer, rank, world)
 
 
 def _latest_checkpoint(out_dir: Path, model: Any) -> Path:

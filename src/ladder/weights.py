@@ -121,8 +121,7 @@ def load_weights(model: Transformer, source: TensorSource) -> None:
         missing = [hf for hf, _ in parts if hf not in available]
         if missing:
             raise LadderError(f"checkpoint has no tensor {missing[0]!r}")
-        pieces = [source.get(hf, index) for hf, index in parts]
-        tensor = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+        tensor = _assemble(source, parts)
         param = params[name]
         if tensor.shape != param.shape:
             raise LadderError(f"tensor for {name} has shape {tuple(tensor.shape)}, the config implies "
@@ -205,13 +204,15 @@ def rank_parameters(config: ModelConfig, hf: dict[str, torch.Tensor], rank: int,
                     prefix: str = "") -> dict[str, torch.Tensor]:
     """Rank `rank`'s parameters (our names starting with `prefix`) cut from whole Hugging Face tensors:
     the same slices `load_weights` copies on a real rank, but differentiable (see `ladder.simulate`)."""
-    shard = ShardShape.of(config, rank, tp)
-    out = {}
-    for name, parts in shard_plan(config, shard, rank):
-        if name.startswith(prefix) and parts[0][0] in hf:
-            pieces = [DictSource(hf).get(source, index) for source, index in parts]
-            out[name] = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
-    return out
+    source = DictSource(hf)
+    return {name: _assemble(source, parts) for name, parts in shard_plan(config, ShardShape.of(config, rank, tp), rank)
+            if name.startswith(prefix) and parts[0][0] in hf}
+
+
+def _assemble(source: TensorSource, parts: list[tuple[str, Slice]]) -> torch.Tensor:
+    """One of our parameters from its Hugging Face pieces (fused QKV and gate/up are concatenated)."""
+    pieces = [source.get(hf, index) for hf, index in parts]
+    return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
 
 
 def _length(s: slice, n: int) -> int:
