@@ -5,13 +5,14 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ladder.costmodel import fit_on_paper, validate
+from ladder.costmodel import fit_on_paper, validate, validate_other_shape
 
 constants = fit_on_paper()
 report = validate(constants)
 out = Path(__file__).resolve().parent.parent / "src/ladder/data/costmodel-fit.json"
 tmp = out.with_suffix(".tmp")
-tmp.write_text(json.dumps({"constants": asdict(constants), "validation": report}, indent=2) + "\n")
+tmp.write_text(json.dumps({"constants": asdict(constants), "validation": report,
+                           "other_shape": validate_other_shape(constants)}, indent=2) + "\n")
 tmp.replace(out)
 within = sum(p["within"] for p in report["points"])
 print(f"held-out ladder/standard speedup within {report['tolerance']}: {within}/{len(report['points'])} "

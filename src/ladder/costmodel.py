@@ -10,9 +10,9 @@ rho is the part of the overlap lost to interference (NCCL kernels take SMs from 
 Generation = prefill of the prompt + one decode step per new token at growing context; tokens/s =
 batch * gen_len / total time, as in the paper's protocol.
 
-The five free constants (eta_mem, eta_flop, module_overhead, step_overhead, rho) are fitted on part of
-the paper's Llama-3-70B H100 table (`data/llama3-70b-h100-throughput.csv`) and the model is judged on
-the rest (`validate()`).
+The free constants are fitted on part of the paper's Llama-3-70B H100 table
+(`data/llama3-70b-h100-throughput.csv`) and the model is judged on the rest (`validate()`), and on a
+shape it never saw: the paper's Llama-3-8B speedups at TP 8 (`validate_other_shape()`).
 """
 
 from __future__ import annotations
@@ -248,3 +248,26 @@ def validate(constants: CostConstants | None = None, tolerance: float = 0.05) ->
     return {"constants": asdict(constants), "tolerance": tolerance, "points": points,
             "fraction_within": within / len(points) if points else 0.0,
             "train_batches": TRAIN_BATCHES, "held_out_batches": HELD_OUT_BATCHES}
+
+
+OTHER_SHAPE = "llama-3-8b"  # the paper's 8B-shape speedups at TP 8, P2P on; never used in fitting
+
+
+def validate_other_shape(constants: CostConstants | None = None, tolerance: float = 0.05) -> dict[str, Any]:
+    """Predicted vs published speedup over standard for the Llama-3-8B shape (TP 8, NVLink): a check of
+    how the constants fitted on 70B carry over to another model size."""
+    constants = constants or fitted_constants()
+    text = resources.files("ladder").joinpath("data/llama3-8b-h100-tp8-speedups.csv").read_text()
+    link = link_presets()[P2P_LINKS["on"]]
+    points = []
+    for r in csv.DictReader(text.splitlines()):
+        w = Workload(get_preset(r["model"]), int(r["tp"]), int(r["batch_size"]), int(r["prompt_len"]),
+                     int(r["gen_len"]))
+        predicted = (predict_tokens_per_s(w, r["layout"], GPUS["h100"], link, constants)
+                     / predict_tokens_per_s(w, "standard", GPUS["h100"], link, constants))
+        published = float(r["speedup_over_standard"])
+        points.append({"layout": r["layout"], "tp": w.tp, "batch_size": w.batch_size, "p2p": r["p2p"],
+                       "published": published, "predicted": predicted, "error": predicted - published,
+                       "within": abs(predicted - published) <= tolerance})
+    within = sum(p["within"] for p in points)
+    return {"preset": OTHER_SHAPE, "tolerance": tolerance, "points": points, "fraction_within": within / len(points)}
