@@ -139,6 +139,35 @@ def test_emulated_link_counts_only_communication_compute_did_not_hide():
     assert comm.hidden_fraction == pytest.approx(1 - exposed_first / (2 * d))
 
 
+def test_sweep_of_a_real_checkpoint(tiny_hf, tmp_path):
+    _, folder, _ = tiny_hf
+    out = tmp_path / "r.jsonl"
+    args = ["--model", str(folder), "--tp", "2", "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "2",
+            "--runs", "1", "--no-progress", "--out", str(out)]
+    emulated = ladder_cli("bench", *args, "--interconnect", "nvlink-h100")
+    real = ladder_cli("bench", *args, "--interconnect", "real", "--layouts", "ladder")
+    assert emulated.returncode == 0, emulated.stderr
+    assert real.returncode == 0, real.stderr
+    assert f"weights of {folder}" in real.stdout
+    records = read_results(out)
+    # parallel is left out by default: a checkpoint with two norms per layer cannot be converted to it
+    assert [(r["interconnect"], r["layout"]) for r in records] == [
+        ("nvlink-h100", "standard"), ("nvlink-h100", "ladder"), ("nvlink-h100", "upper-bound"), ("real", "ladder")]
+    for r in records:
+        assert r["status"] == "ok" and r["weights"] == "checkpoint" and r["checkpoint"] == str(folder)
+        assert r["preset"] == folder.name
+        assert r["model"]["dim"] == 64 and r["model"]["n_layers"] == 3 and r["model"]["vocab_size"] == 256
+
+
+def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path):
+    out = tmp_path / "r.jsonl"
+    result = ladder_cli("bench", "--preset", "tiny", "--layouts", "standard", "--tp", "1",
+                        "--batch-sizes", "100000000", "--no-progress", "--out", str(out))
+    assert result.returncode == 1
+    assert "0 configurations measured, 1 failed" in result.stdout
+    assert read_results(out)[0]["status"] == "failed"
+
+
 def test_failed_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     out = tmp_path / "r.jsonl"
     out.write_text(json.dumps({"status": "ok", "note": "measured earlier"}) + "\n")

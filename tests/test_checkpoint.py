@@ -93,26 +93,7 @@ def test_chat_answer_contains_paris(tp):
     assert "loaded in" in out.stderr and "GGUF" in out.stderr
 
 
-# ---- tiny checkpoints written by transformers --------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                      max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms away from 1, so a missing or misplaced norm weight shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    single, sharded = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("sharded")
-    model.save_pretrained(single)
-    model.save_pretrained(sharded, max_shard_size="100KB")
-    assert (sharded / "model.safetensors.index.json").is_file()
-    return model, single, sharded
-
+# ---- tiny checkpoints written by transformers (the tiny_hf fixture, tests/conftest.py) ---------------
 
 TOKENS = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(5))
 

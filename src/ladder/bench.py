@@ -1,6 +1,7 @@
 """`ladder bench`: the paper's throughput protocol over layouts x TP x batch, on real or emulated links.
 
-Protocol (the paper's, gpt-fast style): random weights, one synthetic prompt repeated over the batch,
+Protocol (the paper's, gpt-fast style): random weights (or a real checkpoint's, `--model`), one
+synthetic prompt repeated over the batch,
 `gen_len` new tokens with top-k 200 / temperature 0.8, warm-up runs excluded, devices synchronised
 before clocks are read, tokens/s = batch * gen_len / (prefill + decode).
 
@@ -13,6 +14,7 @@ everything measured so far. A configuration that fails (out of memory, a crash) 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -57,6 +59,7 @@ class BenchPoint:
     seed: int = 0
     top_k: int = 200
     temperature: float = 0.8
+    checkpoint: str | None = None  # a GGUF file, HF folder or short name; None: random weights
 
     @property
     def emulated(self) -> bool:
@@ -67,10 +70,15 @@ class BenchPoint:
         return self.link.name if self.link else "real"
 
     def config(self) -> ModelConfig:
-        changes: dict[str, Any] = {"layout": self.layout}
-        if self.ladder_layers is not None:
-            changes["ladder_layers"] = self.ladder_layers
-        config = get_preset(self.preset, **changes)
+        if self.checkpoint is not None:
+            from ladder.checkpoint import with_layout
+
+            config = with_layout(checkpoint_config(self.checkpoint), self.layout, self.ladder_layers)
+        else:
+            changes: dict[str, Any] = {"layout": self.layout}
+            if self.ladder_layers is not None:
+                changes["ladder_layers"] = self.ladder_layers
+            config = get_preset(self.preset, **changes)
         config.check_tp(self.tp)
         return config
 
@@ -80,6 +88,14 @@ class BenchPoint:
         d["interconnect"] = self.interconnect
         d["emulated"] = self.emulated
         return d
+
+
+@functools.cache
+def checkpoint_config(name_or_path: str) -> ModelConfig:
+    """A checkpoint's config (its header only; read once per process)."""
+    from ladder.checkpoint import open_checkpoint
+
+    return open_checkpoint(name_or_path).config
 
 
 # ---- memory estimate (to refuse what cannot fit, before launching) -------------------------------
@@ -132,7 +148,13 @@ def bench_on_rank(point: BenchPoint) -> dict[str, Any] | None:
         check_fits(point, device)
         dtype_name = point.dtype or ("bfloat16" if device.type == "cuda" else "float32")
         model = build_model(config, comm, device, getattr(torch, dtype_name))
-        init_local_shard(model, point.seed)
+        if point.checkpoint is None:
+            init_local_shard(model, point.seed)
+        else:
+            from ladder.checkpoint import open_checkpoint
+            from ladder.weights import load_weights
+
+            load_weights(model, open_checkpoint(point.checkpoint).source)
         engine = Engine(model, compile=point.compile)
         gen = torch.Generator().manual_seed(point.seed)
         prompt = torch.randint(0, config.vocab_size, (1, point.prompt_len), generator=gen)
@@ -177,6 +199,7 @@ def _result(point: BenchPoint, config: ModelConfig, model: torch.nn.Module, devi
         "status": "ok",
         **point.describe(),
         "layout_name": config.layout_name,
+        "weights": "random" if point.checkpoint is None else "checkpoint",
         "model": {k: getattr(config, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
                                                   "vocab_size")} | {"n_params": config.n_params()},
         "dtype": dtype_name,
@@ -403,11 +426,12 @@ def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
             lines.append(f"| {link} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
                          f"{speed} | {hidden} | {in_run} |")
         return "\n".join(lines)
-    header = (f"{'preset':<14}{'interconnect':<28}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'speedup':>9}"
-              f"{'hidden':>8}{'in run':>8}")
+    width = max([14] + [len(r["preset"]) + 2 for r in rows])
+    header = (f"{'preset':<{width}}{'interconnect':<28}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}"
+              f"{'speedup':>9}{'hidden':>8}{'in run':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         link, speed, hidden, in_run = _summary_cells(r)
-        lines.append(f"{r['preset']:<14}{link:<28}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
+        lines.append(f"{r['preset']:<{width}}{link:<28}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
                      f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{in_run:>8}")
     return "\n".join(lines)
