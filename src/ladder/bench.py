@@ -60,6 +60,8 @@ class BenchPoint:
     top_k: int = 200
     temperature: float = 0.8
     checkpoint: str | None = None  # a GGUF file, HF folder or short name; None: random weights
+    profile_dir: str | None = None  # write a profiler trace of one extra short run here
+    profile_tokens: int = 8  # new tokens of that run (the trace of a whole 512-token run is huge)
 
     @property
     def emulated(self) -> bool:
@@ -170,12 +172,33 @@ def bench_on_rank(point: BenchPoint) -> dict[str, Any] | None:
         for _ in range(point.runs):
             synchronize(device)
             runs.append(engine.generate(prompt, point.gen_len, sampling))
+        trace = _profile(point, engine, prompt, sampling, comm, rank) if point.profile_dir else None
         if rank != 0:
             return None
-        return _result(point, config, model, device, dtype_name, runs, comm)
+        result = _result(point, config, model, device, dtype_name, runs, comm)
+        if trace is not None:
+            result["trace"] = trace
+        return result
     finally:
         if not point.emulated:
             shutdown_distributed()
+
+
+def trace_name(point: BenchPoint, rank: int) -> str:
+    layout = point.layout if point.ladder_layers is None else f"{point.layout}{point.ladder_layers}"
+    link = point.interconnect + (f"-x{point.link_scale:g}" if point.emulated and point.link_scale != 1 else "")
+    return f"{point.preset}-{layout}-tp{point.tp}-bs{point.batch_size}-{link}-rank{rank}.json"
+
+
+def _profile(point: BenchPoint, engine: Any, prompt: torch.Tensor, sampling: Any, comm: object,
+             rank: int) -> dict[str, Any]:
+    """One extra short generation under the profiler (not part of the measured runs): its trace, and
+    the share of communication time during which compute ran, read back from the trace."""
+    from ladder.trace import link_overlap, profile_generation, read_trace
+
+    path = profile_generation(engine, prompt, point.profile_tokens, sampling, comm,
+                              Path(point.profile_dir) / trace_name(point, rank))
+    return {"path": str(path), "new_tokens": point.profile_tokens, "link": link_overlap(read_trace(path))}
 
 
 def _result(point: BenchPoint, config: ModelConfig, model: torch.nn.Module, device: torch.device,
@@ -390,7 +413,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                    "records": len(rs), "speedup": None, "hidden": None, "hidden_in_run": _pooled_in_run(rs)}
             if "standard" in tps:
                 row["speedup"] = tps[label] / tps["standard"]
-                if label.startswith("ladder") and "upper-bound" in tps:
+                if label.startswith("ladder") and "upper-bound" in tps and key[3] > 1:  # TP 1: nothing to hide
                     t_std, t_lad, t_ub = seconds["standard"], seconds[label], seconds["upper-bound"]
                     if t_std - t_ub > 0:
                         row["hidden"] = (t_std - t_lad) / (t_std - t_ub)

@@ -283,7 +283,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         batch_sizes=parse_list(args.batch_sizes, int, "--batch-sizes"),
         links=links, prompt_len=args.prompt_len, gen_len=args.gen_len, warmup=args.warmup, runs=args.runs,
         device=args.device, dtype=args.dtype, compile=args.compile, seed=args.seed,
-        link_scale=args.link_scale, ladder_layers=args.ladder_layers, checkpoint=args.model)
+        link_scale=args.link_scale, ladder_layers=args.ladder_layers, checkpoint=args.model,
+        profile_dir=args.profile, profile_tokens=args.profile_tokens)
     out = Path(args.out)
     weights = "random weights" if args.model is None else f"weights of {args.model}"
     print(f"ladder bench: {len(points)} configurations, {weights}, prompt {args.prompt_len}, "
@@ -300,6 +301,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(format_summary(summarise(records)))
         failed = sum(r["status"] != "ok" for r in records)
         print(f"{len(records) - failed} configurations measured, {failed} failed; results appended to {out}")
+        for r in records:
+            if r.get("trace"):
+                overlap = (r["trace"]["link"] or {}).get("overlap_fraction")
+                shown = f"compute ran during {overlap:.2f} of the communication" if overlap is not None else \
+                    "no communication visible to the profiler"
+                print(f"trace {r['trace']['path']}: {shown}")
         if failed == len(records):
             return 1  # nothing measured: let scripts notice
     return 0
@@ -470,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on GPU)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default=BENCH_DEFAULTS["out"], help="JSON-lines results file (appended)")
+    b.add_argument("--profile", metavar="DIR", help="also write a profiler trace (Chrome JSON) of one short extra "
+                                                     "run per configuration, and read the overlap back from it")
+    b.add_argument("--profile-tokens", type=int, default=8, help="new tokens of the profiled run")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=cmd_bench)
 

@@ -192,6 +192,7 @@ class EmulatedCommunicator:
         self.modelled_s = 0.0  # total modelled communication time (for reports)
         self.exposed_s = 0.0  # of it, what was still in flight when wait() was called (CPU only)
         self.count = 0
+        self.transfers: list[tuple[float, float]] | None = None  # (start, end) of each, when a trace wants them
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
             self.cycles_per_s = _sleep_cycles_per_second(device)
@@ -220,6 +221,8 @@ class EmulatedCommunicator:
             return self._cuda_sleep(x, duration)
         start = max(time.perf_counter(), self.link_free_at)
         self.link_free_at = start + duration
+        if self.transfers is not None:
+            self.transfers.append((start, self.link_free_at))
         return _DeadlineHandle(x, self.link_free_at, self)
 
     @torch.compiler.disable

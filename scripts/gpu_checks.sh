@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks of `ladder bench` (for a machine with one NVIDIA GPU and torch with CUDA installed):
+#  1. the compiled path (decode under torch.compile mode="reduce-overhead", i.e. CUDA graphs) for every
+#     layout at TP 1;
+#  2. one rank's exact shard of Llama-3-70B at TP 8 on the emulated nvlink-h100 and pcie-no-p2p links
+#     (the all-reduces are sleep kernels on a side stream), the paper's protocol: batch 1/4/16/64,
+#     prompt 1024, 512 new tokens, bf16, compiled;
+#  3. a profiler trace of a short run of each 70B configuration, and the share of link time during
+#     which compute kernels ran, read back from it (ladder: high; standard: near zero);
+#  4. a report comparing the measured speedups with the paper's (results/gpu/report.md).
+# Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP to trim
+# the sweep, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the models and shapes (a dry run
+# on CPU: DEVICE=cpu COMPILE= PRESET_SMALL=tiny PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+out=${RESULTS:-results/gpu}
+batches=${BATCHES:-1,4,16,64}
+runs=${RUNS:-3}
+warmup=${WARMUP:-1}
+device=${DEVICE:-cuda}
+compile=${COMPILE---compile}
+small=${PRESET_SMALL:-llama-3-8b}
+big=${PRESET_70B:-llama-3-70b}
+tp=${TP:-8}
+prompt=${PROMPT_LEN:-1024}
+gen=${GEN_LEN:-512}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$out"
+ladder() { "$PY" -m ladder.cli "$@"; }
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$out/environment.txt"
+
+ladder bench --preset "$small" --layouts standard,parallel,ladder,desync,upper-bound --tp 1 --batch-sizes 1 \
+    --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" --runs "$runs" --device "$device" $compile \
+    --no-progress --out "$out/compiled-tp1.jsonl"
+ladder bench --preset "$big" --layouts standard,parallel,ladder,upper-bound --tp "$tp" --batch-sizes "$batches" \
+    --interconnect nvlink-h100,pcie-no-p2p --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" \
+    --runs "$runs" --device "$device" $compile --profile "$out/traces" --profile-tokens 4 --no-progress \
+    --out "$out/${big}-tp${tp}-shard.jsonl"
+ladder bench plot "$out/${big}-tp${tp}-shard.jsonl"
+"$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard.jsonl" --compiled "$out/compiled-tp1.jsonl" \
+    | tee "$out/report.md"

@@ -1,0 +1,90 @@
+"""Measured speedups of a 70B-shard sweep beside the paper's Llama-3-70B H100 numbers, as markdown.
+
+Usage: python scripts/paper_comparison.py RESULTS.jsonl [--compiled COMPILED.jsonl]
+(scripts/gpu_checks.sh runs it; the emulated nvlink-h100 link stands for the paper's P2P-on runs,
+pcie-no-p2p for NCCL_P2P_DISABLE=1.)"""
+
+import argparse
+from pathlib import Path
+
+from ladder.bench import format_summary, read_results, summarise
+from ladder.costmodel import P2P_LINKS, paper_table
+
+P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}
+
+
+def paper_speedups() -> dict[tuple[str, str, int, int], float]:
+    """(layout, p2p, tp, batch) -> the paper's tokens/s over standard's."""
+    rows = {(r["layout"], r["p2p"], r["tp"], r["batch_size"]): r["tokens_per_s"] for r in paper_table()}
+    out = {}
+    for (layout, p2p, tp, b), tps in rows.items():
+        standard = rows.get(("standard", p2p, tp, b))
+        if standard:
+            out[(layout, p2p, tp, b)] = tps / standard
+    for (layout, p2p, tp, b), tps in rows.items():  # upper bound was run once, with P2P on
+        if layout == "upper-bound" and ("standard", "off", tp, b) in rows:
+            out[(layout, "off", tp, b)] = tps / rows[("standard", "off", tp, b)]
+    return out
+
+
+def comparison(records: list[dict]) -> str:
+    paper = paper_speedups()
+    rows = summarise(records)
+    lines = ["| link | tp | batch | layout | tokens/s | speedup | paper | hidden | paper hidden |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p2p = P2P_OF_LINK.get(r["interconnect"])
+        same_model = r["preset"] == "llama-3-70b"
+        published = paper.get((r["layout"], p2p, r["tp"], r["batch_size"])) if p2p and same_model else None
+        paper_hidden = None
+        if r["layout"] == "ladder" and p2p:
+            s, u = 1.0, paper.get(("upper-bound", p2p, r["tp"], r["batch_size"]))
+            if published and u and u > 1:
+                paper_hidden = (1 / s - 1 / published) / (1 / s - 1 / u)
+        fmt = lambda v, spec: format(v, spec) if v is not None else ""
+        lines.append(f"| {r['link']} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
+                     f"{fmt(r['speedup'], '.3f')} | {fmt(published, '.3f')} | {fmt(r['hidden'], '.2f')} | "
+                     f"{fmt(paper_hidden, '.2f')} |")
+    return "\n".join(lines)
+
+
+def traces(records: list[dict]) -> str:
+    lines = ["| link | batch | layout | link time in trace (ms) | share overlapped by compute | trace |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        link = (r.get("trace") or {}).get("link")
+        if r.get("status") == "ok" and link:
+            lines.append(f"| {r['interconnect']} | {r['batch_size']} | {r['layout']} | {link['link_s'] * 1e3:.2f} | "
+                         f"{link['overlap_fraction']:.2f} | {Path(r['trace']['path']).name} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results")
+    parser.add_argument("--compiled", help="the TP-1 compiled sweep")
+    args = parser.parse_args()
+    records = read_results(Path(args.results))
+    ok = [r for r in records if r.get("status") == "ok"]
+    env = ok[0]["env"] if ok else {}
+    preset, tp = (ok[0]["preset"], ok[0]["tp"]) if ok else ("?", "?")
+    print(f"# {preset} at TP {tp}, one rank's shard, emulated links\n")
+    print(f"Device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, ladder "
+          f"{env.get('git_commit')}; {len(ok)} configurations measured, {len(records) - len(ok)} failed.\n")
+    print("Speedup over standard at equal link and batch, beside the paper's (nvlink-h100 = P2P on, "
+          "pcie-no-p2p = P2P off); hidden = (t_standard - t_ladder) / (t_standard - t_upper_bound).\n")
+    print(comparison(records))
+    print("\n## Profiler traces (a short run per configuration)\n")
+    print(traces(records))
+    failed = [r for r in records if r.get("status") != "ok"]
+    if failed:
+        print("\n## Failed configurations\n")
+        for r in failed:
+            print(f"- {r['layout']} {r['interconnect']} batch {r['batch_size']}: {r['error']}")
+    if args.compiled:
+        print("\n## Compiled path at TP 1 (torch.compile, CUDA graphs on GPU)\n")
+        print(format_summary(summarise(read_results(Path(args.compiled))), markdown=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Profiler traces: the overlap read back from a trace, on hand-made traces and on real bench runs."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ladder.bench import BenchPoint, read_results, run_sweep
+from ladder.interconnect import LinkModel
+from ladder.trace import SYNC_MARKER, link_overlap, read_trace
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def op(name, ts, dur, cat="cpu_op", tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+
+def test_overlap_of_a_hand_made_cpu_trace():
+    events = [
+        op(SYNC_MARKER, 0, 1),
+        op("emulated all-reduce", 100, 100, cat="link", tid="link"),  # 100..200
+        op("aten::mm", 120, 50),  # 50 of the link's 100 us covered by compute
+        op("aten::add", 150, 10),  # nested in time with the mm: counted once
+        op("emulated all-reduce", 300, 50, cat="link", tid="link"),  # 300..350: nothing runs
+        op("aten::mm", 400, 50, tid=2),  # another thread: not the one that issued the collectives
+    ]
+    result = link_overlap(events)
+    assert result["link_events"] == 2
+    assert result["link_s"] == pytest.approx(150e-6)
+    assert result["overlapped_s"] == pytest.approx(50e-6)
+    assert result["overlap_fraction"] == pytest.approx(1 / 3)
+
+
+def test_time_inside_collective_ops_is_not_compute():
+    events = [
+        op(SYNC_MARKER, 0, 1),
+        op("gloo:all_reduce", 100, 100, cat="user_annotation", tid=9),  # gloo's worker thread
+        op("c10d::allreduce_", 90, 40),  # the launch, with its own copy inside: not compute
+        op("aten::copy_", 95, 20),
+        op("_c10d_functional::wait_tensor", 180, 30),
+        op("aten::mm", 130, 30),  # between launch and wait: compute that overlaps
+    ]
+    assert link_overlap(events)["overlapped_s"] == pytest.approx(30e-6)
+
+
+def test_gpu_trace_uses_kernels():
+    events = [
+        op("spin_kernel(long)", 0, 100, cat="kernel", tid=7),  # the emulated link's sleep, side stream
+        op("sm90_gemm_bf16", 50, 100, cat="kernel", tid=8),
+        op("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 300, 100, cat="kernel", tid=9),
+        op("aten::mm", 300, 100),  # host-side: does not count once there are kernels
+    ]
+    result = link_overlap(events)
+    assert result["link_events"] == 2 and result["overlap_fraction"] == pytest.approx(50 / 200)
+
+
+def test_no_communication_gives_none():
+    assert link_overlap([op(SYNC_MARKER, 0, 1), op("aten::mm", 10, 10)]) is None
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("traces")
+    link = LinkModel("slow", 300.0, 1.0)
+    common = dict(tp=2, batch_size=1, prompt_len=8, gen_len=4, runs=1, profile_dir=str(folder), profile_tokens=6)
+    points = [BenchPoint("tiny", layout, link=lk, **common)
+              for lk in (link, None) for layout in ("standard", "ladder")]
+    run_sweep(points, folder / "r.jsonl", progress=False)
+    return {(r["interconnect"], r["layout"]): r for r in read_results(folder / "r.jsonl")}
+
+
+def test_bench_traces_show_overlap_for_ladder_only(traced):
+    calls = 4 * 2 * 6  # layers x modules x forward passes (a prefill and 5 decode steps for 6 tokens)
+    for (interconnect, layout), r in traced.items():
+        assert r["status"] == "ok", r
+        trace = r["trace"]
+        assert trace["path"].endswith("rank0.json") and trace["new_tokens"] == 6
+        assert trace["link"]["link_events"] == calls, (interconnect, layout)
+        assert link_overlap(read_trace(trace["path"])) == trace["link"]
+        if layout == "standard":  # every all-reduce is waited on at once: nothing computes meanwhile
+            assert trace["link"]["overlap_fraction"] < 0.02, (interconnect, trace)
+    # emulated: the next module computes while the modelled transfer is in flight
+    assert traced[("slow", "ladder")]["trace"]["link"]["overlap_fraction"] > 0.1
+    assert traced[("real", "ladder")]["trace"]["link"]["overlapped_s"] > 0
+
+
+def test_paper_comparison_report(traced):
+    script = SCRIPTS / "paper_comparison.py"
+    results = Path(traced[("slow", "ladder")]["trace"]["path"]).parent / "r.jsonl"
+    out = subprocess.run([sys.executable, str(script), str(results)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "| slow (emulated) | 2 | 1 | ladder |" in out.stdout
+    assert "tiny-ladder-tp2-bs1-slow-rank0.json" in out.stdout
+
+
+def test_paper_speedups_match_the_published_table():
+    spec = importlib.util.spec_from_file_location("paper_comparison", SCRIPTS / "paper_comparison.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    paper = module.paper_speedups()
+    assert paper[("ladder", "on", 8, 1)] == pytest.approx(1.308, abs=1e-3)  # docs/paper-results.md
+    assert paper[("ladder", "off", 8, 1)] == pytest.approx(1.599, abs=1e-3)
+    assert paper[("upper-bound", "off", 8, 1)] == pytest.approx(110.59 / 51.66)
