@@ -7,23 +7,24 @@ pcie-no-p2p for NCCL_P2P_DISABLE=1.)"""
 import argparse
 from pathlib import Path
 
-from ladder.bench import format_summary, read_results, summarise
+from ladder.bench import format_summary, hidden_fraction, read_results, summarise
 from ladder.costmodel import P2P_LINKS, paper_table
 
 P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}
 
 
 def paper_speedups() -> dict[tuple[str, str, int, int], float]:
-    """(layout, p2p, tp, batch) -> the paper's tokens/s over standard's."""
+    """(layout, p2p, tp, batch) -> the paper's tokens/s over standard's. Upper bound does not
+    communicate and was run once, with P2P on: it serves both conditions."""
     rows = {(r["layout"], r["p2p"], r["tp"], r["batch_size"]): r["tokens_per_s"] for r in paper_table()}
     out = {}
-    for (layout, p2p, tp, b), tps in rows.items():
-        standard = rows.get(("standard", p2p, tp, b))
-        if standard:
-            out[(layout, p2p, tp, b)] = tps / standard
-    for (layout, p2p, tp, b), tps in rows.items():  # upper bound was run once, with P2P on
-        if layout == "upper-bound" and ("standard", "off", tp, b) in rows:
-            out[(layout, "off", tp, b)] = tps / rows[("standard", "off", tp, b)]
+    for (layout, p2p, tp, b), standard in rows.items():
+        if layout != "standard":
+            continue
+        for other in ("standard", "parallel", "ladder", "upper-bound"):
+            tps = rows.get((other, "on" if other == "upper-bound" else p2p, tp, b))
+            if tps:
+                out[(other, p2p, tp, b)] = tps / standard
     return out
 
 
@@ -36,11 +37,10 @@ def comparison(records: list[dict]) -> str:
         p2p = P2P_OF_LINK.get(r["interconnect"])
         same_model = r["preset"] == "llama-3-70b"
         published = paper.get((r["layout"], p2p, r["tp"], r["batch_size"])) if p2p and same_model else None
+        upper = paper.get(("upper-bound", p2p, r["tp"], r["batch_size"]))
         paper_hidden = None
-        if r["layout"] == "ladder" and p2p:
-            s, u = 1.0, paper.get(("upper-bound", p2p, r["tp"], r["batch_size"]))
-            if published and u and u > 1:
-                paper_hidden = (1 / s - 1 / published) / (1 / s - 1 / u)
+        if r["layout"] == "ladder" and published and upper:  # times relative to standard's: 1 / speedup
+            paper_hidden = hidden_fraction(1.0, 1 / published, 1 / upper)
         fmt = lambda v, spec: format(v, spec) if v is not None else ""
         lines.append(f"| {r['link']} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
                      f"{fmt(r['speedup'], '.3f')} | {fmt(published, '.3f')} | {fmt(r['hidden'], '.2f')} | "

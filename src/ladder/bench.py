@@ -194,11 +194,11 @@ def _profile(point: BenchPoint, engine: Any, prompt: torch.Tensor, sampling: Any
              rank: int) -> dict[str, Any]:
     """One extra short generation under the profiler (not part of the measured runs): its trace, and
     the share of communication time during which compute ran, read back from the trace."""
-    from ladder.trace import link_overlap, profile_generation, read_trace
+    from ladder.trace import link_overlap, profile_generation
 
-    path = profile_generation(engine, prompt, point.profile_tokens, sampling, comm,
-                              Path(point.profile_dir) / trace_name(point, rank))
-    return {"path": str(path), "new_tokens": point.profile_tokens, "link": link_overlap(read_trace(path))}
+    path = Path(point.profile_dir) / trace_name(point, rank)
+    events = profile_generation(engine, prompt, point.profile_tokens, sampling, comm, path)
+    return {"path": str(path), "new_tokens": point.profile_tokens, "link": link_overlap(events)}
 
 
 def _result(point: BenchPoint, config: ModelConfig, model: torch.nn.Module, device: torch.device,
@@ -294,14 +294,14 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
     from ladder.launch import check_launchable
 
     for point in points:
-        point.config()
+        config = point.config()
         if not point.emulated:
             check_launchable(point.tp)
         if point.batch_size < 1 or point.prompt_len < 1 or point.gen_len < 1:
             raise LadderError("batch sizes, --prompt-len and --gen-len must be >= 1")
-        if point.prompt_len + point.gen_len > point.config().max_seq_len:
+        if point.prompt_len + point.gen_len > config.max_seq_len:
             raise LadderError(f"--prompt-len {point.prompt_len} + --gen-len {point.gen_len} exceeds "
-                              f"{point.preset}'s max_seq_len {point.config().max_seq_len}")
+                              f"{point.preset}'s max_seq_len {config.max_seq_len}")
     return points
 
 
@@ -414,14 +414,19 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             if "standard" in tps:
                 row["speedup"] = tps[label] / tps["standard"]
                 if label.startswith("ladder") and "upper-bound" in tps and key[3] > 1:  # TP 1: nothing to hide
-                    t_std, t_lad, t_ub = seconds["standard"], seconds[label], seconds["upper-bound"]
-                    if t_std - t_ub > 0:
-                        row["hidden"] = (t_std - t_lad) / (t_std - t_ub)
+                    row["hidden"] = hidden_fraction(seconds["standard"], seconds[label], seconds["upper-bound"])
             rows.append(row)
     order = {"standard": 0, "parallel": 1, "ladder": 2, "desync": 3, "upper-bound": 4}
     rows.sort(key=lambda r: (r["preset"], r["link"], r["tp"], r["batch_size"],
                              order.get(r["layout"].split("[")[0], 9), r["layout"]))
     return rows
+
+
+def hidden_fraction(t_standard: float, t_ladder: float, t_upper_bound: float) -> float | None:
+    """The share of standard's communication time that ladder hides; None when there is none to hide."""
+    if t_standard <= t_upper_bound:
+        return None
+    return (t_standard - t_ladder) / (t_standard - t_upper_bound)
 
 
 def _pooled_in_run(records: list[dict[str, Any]]) -> float | None:

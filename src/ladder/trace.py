@@ -14,8 +14,10 @@ For ladder it is high, for standard near zero: the proof that the schedule overl
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,8 @@ _GLOO_WORK = "gloo:"  # gloo annotates each collective on its worker thread, e.g
 
 
 def profile_generation(engine: Any, prompt: torch.Tensor, new_tokens: int, sampling: Any, comm: Any,
-                       path: Path) -> Path:
-    """Generate `new_tokens` under the profiler and write the Chrome trace to `path`."""
+                       path: Path) -> list[dict[str, Any]]:
+    """Generate `new_tokens` under the profiler, write the Chrome trace to `path`, return its events."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from ladder.interconnect import EmulatedCommunicator
@@ -56,12 +58,12 @@ def profile_generation(engine: Any, prompt: torch.Tensor, new_tokens: int, sampl
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     prof.export_chrome_trace(str(tmp))
+    trace = json.loads(tmp.read_text())
     if transfers:
-        trace = json.loads(tmp.read_text())
         trace["traceEvents"].extend(_link_events(trace["traceEvents"], sync_host_s, transfers))
         tmp.write_text(json.dumps(trace))
     tmp.replace(path)
-    return path
+    return trace["traceEvents"]
 
 
 def _link_events(events: list[dict[str, Any]], sync_host_s: list[float],
@@ -97,25 +99,32 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _subtract(intervals: list[tuple[float, float]], holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Both sorted and disjoint: the parts of `intervals` outside every hole."""
-    out = []
+    """Both sorted and disjoint: the parts of `intervals` outside every hole (one sweep over both)."""
+    out, h = [], 0
     for start, end in intervals:
-        for a, b in holes:
-            if b <= start or a >= end:
-                continue
+        while h < len(holes) and holes[h][1] <= start:
+            h += 1
+        i = h
+        while i < len(holes) and holes[i][0] < end:
+            a, b = holes[i]
             if a > start:
                 out.append((start, a))
             start = max(start, b)
-            if start >= end:
-                break
+            i += 1
         if start < end:
             out.append((start, end))
     return out
 
 
-def _covered(interval: tuple[float, float], union: list[tuple[float, float]]) -> float:
+def _covered(interval: tuple[float, float], union: list[tuple[float, float]], union_ends: list[float]) -> float:
+    """How much of `interval` the sorted, disjoint `union` covers (`union_ends`: their ends, for bisect)."""
     start, end = interval
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
+    covered = 0.0
+    for a, b in union[bisect.bisect_right(union_ends, start):]:
+        if a >= end:
+            break
+        covered += min(end, b) - max(start, a)
+    return covered
 
 
 def _is_collective_op(name: str) -> bool:
@@ -132,22 +141,29 @@ def link_overlap(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
     kernels = [e for e in complete if e.get("cat") == "kernel"]
     if kernels:
-        link = [e for e in kernels if any(k in e.get("name", "") for k in _CUDA_LINK_KERNELS)]
-        compute = [e for e in kernels if e not in link]
+        link, compute = _split(kernels, lambda e: any(k in e.get("name", "") for k in _CUDA_LINK_KERNELS))
+        compute_union = _union(_intervals(compute))
     else:
         link = [e for e in complete if e.get("cat") == "link" or e.get("name", "").startswith(_GLOO_WORK)]
         marker = next((e for e in complete if e.get("name") == SYNC_MARKER), None)  # the issuing thread
         ops = [e for e in complete if e.get("cat") in ("cpu_op", "user_annotation")
                and (marker is None or e.get("tid") == marker.get("tid"))]
-        collective = [e for e in ops if _is_collective_op(e.get("name", ""))]
-        compute = [e for e in ops if e not in collective]
+        collective, compute = _split(ops, lambda e: _is_collective_op(e.get("name", "")))
+        # what runs inside a collective's launch or wait (copies, its own ops) is not compute
+        compute_union = _subtract(_union(_intervals(compute)), _union(_intervals(collective)))
     if not link:
         return None
     link_intervals = _intervals(link)
-    compute_union = _union(_intervals(compute))
-    if not kernels:  # what runs inside a collective's launch or wait (copies, its own ops) is not compute
-        compute_union = _subtract(compute_union, _union(_intervals(collective)))
+    union_ends = [b for _, b in compute_union]
     link_us = sum(end - start for start, end in link_intervals)
-    overlapped_us = sum(_covered(i, compute_union) for i in link_intervals)
+    overlapped_us = sum(_covered(i, compute_union, union_ends) for i in link_intervals)
     return {"link_events": len(link), "link_s": link_us / 1e6, "overlapped_s": overlapped_us / 1e6,
             "overlap_fraction": overlapped_us / link_us if link_us > 0 else None}
+
+
+def _split(events: list[dict[str, Any]], is_first: Callable[[dict[str, Any]], bool]
+           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    first, rest = [], []
+    for e in events:
+        (first if is_first(e) else rest).append(e)
+    return first, rest
