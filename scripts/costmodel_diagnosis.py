@@ -1,0 +1,28 @@
+"""Where the cost model's errors come from, at every point of the paper's Llama-3-70B table: the link
+(upper-bound / standard, i.e. how much communication standard pays) and the overlap (the fraction of
+communication ladder hides), published vs predicted with the stored constants.
+
+Run: .venv/bin/python scripts/costmodel_diagnosis.py"""
+
+from ladder.bench import hidden_fraction
+from ladder.config import get_preset
+from ladder.costmodel import GPUS, P2P_LINKS, Workload, fitted_constants, paper_table, predict_tokens_per_s
+from ladder.interconnect import link_presets
+
+constants = fitted_constants()
+table = {(r["layout"], r["tp"], r["batch_size"], r["p2p"]): r["tokens_per_s"] for r in paper_table()}
+print(f"{'tp':>3}{'batch':>6}{'p2p':>5}  {'upper/standard':>20}  {'ladder/standard':>20}  {'hidden':>14}")
+print(f"{'':>14}  {'published predicted':>20}  {'published predicted':>20}  {'pub.  pred.':>14}")
+for (layout, tp, b, p2p), standard in sorted(table.items(), key=lambda kv: kv[0][1:]):
+    if layout != "standard":
+        continue
+    upper, ladder = table[("upper-bound", tp, b, "on")], table[("ladder", tp, b, p2p)]
+    w = Workload(get_preset("llama-3-70b"), tp, b)
+    link = link_presets()[P2P_LINKS[p2p]]
+    predicted = {name: predict_tokens_per_s(w, name, GPUS["h100"], link, constants)
+                 for name in ("standard", "ladder", "upper-bound")}
+    hidden = hidden_fraction(1 / standard, 1 / ladder, 1 / upper)
+    hidden_predicted = hidden_fraction(*(1 / predicted[n] for n in ("standard", "ladder", "upper-bound")))
+    print(f"{tp:>3}{b:>6}{p2p:>5}  {upper / standard:>9.3f} {predicted['upper-bound'] / predicted['standard']:>10.3f}"
+          f"  {ladder / standard:>9.3f} {predicted['ladder'] / predicted['standard']:>10.3f}"
+          f"  {hidden:>6.2f} {hidden_predicted:>6.2f}")
