@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ladder.bench import BenchPoint, read_results, run_sweep, summarise
+from ladder.bench import BenchPoint, read_results, run_sweep, summarise, sweep_points
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
 
@@ -199,3 +199,42 @@ def test_bad_input_is_one_line(args, message, tmp_path):
 def test_unknown_link_in_python_api():
     with pytest.raises(LadderError, match="known: real, custom, nvlink-h100"):
         get_link("token-ring")
+
+
+def test_interleaved_sweep_takes_turns_with_separate_link_accounts(tmp_path):
+    layouts = ["standard", "parallel", "ladder", "upper-bound"]
+    link = LinkModel("test", latency_us=300.0, bandwidth_gbps=1.0)
+    points = sweep_points(["tiny"], layouts, [2], [2], [None, link], prompt_len=8, gen_len=4, runs=3)
+    records = run_sweep(points, tmp_path / "r.jsonl", progress=False, interleave=True)
+    assert [r["status"] for r in records] == ["ok"] * 8 and len(read_results(tmp_path / "r.jsonl")) == 8
+    for group in (records[:4], records[4:]):  # real gloo, then the emulated link
+        assert [r["layout"] for r in group] == layouts
+        assert all(r["interleaved"]["layouts"] == layouts and len(r["tokens_per_s_runs"]) == 3 for r in group)
+        for i in range(3):  # each repetition runs every layout once, then the next repetition starts
+            assert sorted(r["interleaved"]["turns"][i] for r in group) == list(range(4 * i, 4 * i + 4))
+        firsts = [next(r["layout"] for r in group if r["interleaved"]["turns"][i] == 4 * i) for i in range(3)]
+        assert len(set(firsts)) == 3  # the order rotates: drift within a repetition favours no layout
+    emulated = {r["layout"]: r for r in records[4:]}
+    # One link account per layout: counts are each layout's own, not a mix (prefill + 3 decode steps).
+    assert emulated["standard"]["all_reduces_per_run"] == 4 * 2 * 4
+    assert emulated["parallel"]["all_reduces_per_run"] == 4 * 1 * 4
+    assert emulated["upper-bound"]["all_reduces_per_run"] == 0
+    assert emulated["ladder"]["hidden_in_run"] > emulated["standard"]["hidden_in_run"]
+
+
+def test_layouts_with_the_same_parameters_share_one_copy():
+    from ladder.config import get_preset
+    from ladder.distributed import LocalCommunicator
+    from ladder.weights import random_model, share_weights
+
+    comm, cpu = LocalCommunicator(), torch.device("cpu")
+    standard = random_model(get_preset("tiny", layout="standard"), comm, cpu, seed=3)
+    ladder = share_weights(get_preset("tiny", layout="ladder"), comm, standard)
+    assert ladder is not None and ladder.config.layout == "ladder"
+    assert [p.data_ptr() for p in ladder.parameters()] == [p.data_ptr() for p in standard.parameters()]
+    own = random_model(get_preset("tiny", layout="ladder"), comm, cpu, seed=3)
+    tokens = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        assert torch.equal(ladder(tokens), own(tokens))
+        assert not torch.allclose(ladder(tokens), standard(tokens))  # same weights, another function
+    assert share_weights(get_preset("tiny", layout="parallel"), comm, standard) is None  # one norm per layer

@@ -9,6 +9,10 @@ Each configuration runs in its own worker processes (real interconnect: `tp` ran
 process holding rank 0's exact shard, since every rank does the same work) and its result is
 appended to the JSON-lines file and flushed before the next one starts, so a sweep that dies keeps
 everything measured so far. A configuration that fails (out of memory, a crash) is recorded as such.
+
+`--interleave` measures the layouts of one configuration in one set of workers instead, taking turns
+run by run, so that a shared machine's drift (+-10 % over minutes on a 2-core VM) hits every layout
+alike; their results are appended together when the group ends.
 """
 
 from __future__ import annotations
@@ -102,13 +106,15 @@ def checkpoint_config(name_or_path: str) -> ModelConfig:
 
 # ---- memory estimate (to refuse what cannot fit, before launching) -------------------------------
 
-def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, seq: int, dtype_bytes: int) -> int:
-    """Weights of one rank plus its KV cache and the largest activations, in bytes."""
+def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, seq: int, dtype_bytes: int,
+                          models: int = 1, weight_sets: int = 1) -> int:
+    """One rank's weights (`weight_sets` distinct copies) plus, for each of `models` models, its KV cache
+    and the largest activations, in bytes."""
     kv_heads = max(1, config.n_kv_heads // tp)
     weights = (config.n_params() - config.vocab_size * config.dim) / tp + config.vocab_size * config.dim
     kv_cache = 2 * config.n_layers * batch * kv_heads * seq * config.head_dim
     logits = batch * seq * config.vocab_size  # prefill logits, the largest activation
-    return int((weights + kv_cache + logits) * dtype_bytes)
+    return int((weight_sets * weights + models * (kv_cache + logits)) * dtype_bytes)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -117,39 +123,110 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_fits(point: BenchPoint, device: torch.device) -> None:
+def check_fits(group: Sequence[BenchPoint], device: torch.device) -> None:
+    """Refuse a group of configurations (one, or the layouts measured together by --interleave) whose
+    models cannot fit on `device`."""
+    point = group[0]
     config = point.config()
     dtype = point.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     procs_per_host = point.tp if not point.emulated and device.type == "cpu" else 1
+    weight_sets = len({p.layout == "parallel" for p in group})  # the others share one set (share_weights)
     need = estimate_memory_bytes(config, point.tp, point.batch_size, point.prompt_len + point.gen_len,
-                                 DTYPE_BYTES[dtype]) * procs_per_host
+                                 DTYPE_BYTES[dtype], len(group), weight_sets) * procs_per_host
     have = available_memory_bytes(device)
     if need > 0.9 * have:
-        raise LadderError(f"{point.preset} at tp={point.tp}, batch {point.batch_size}, "
+        what = point.preset if len(group) == 1 else f"{point.preset} ({len(group)} layouts together)"
+        raise LadderError(f"{what} at tp={point.tp}, batch {point.batch_size}, "
                           f"{point.prompt_len}+{point.gen_len} tokens needs about {need / 2**30:.1f} GiB; "
                           f"this {device.type} has {have / 2**30:.1f} GiB")
 
 
-# ---- one configuration, on each rank --------------------------------------------------------------
+# ---- one configuration (or a group measured together), on each rank --------------------------------
 
-def bench_on_rank(point: BenchPoint) -> dict[str, Any] | None:
-    """Measure one configuration. Returns the result on rank 0, None on the others."""
+def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
+    """Measure configurations that differ only in layout, in one set of workers; returns their
+    results on rank 0, None on the others. With several, the measured runs take turns (standard,
+    ladder, upper-bound, ladder, upper-bound, standard, ...) so that the machine's drift hits every
+    layout alike; warm-up runs of every layout come first."""
     from ladder.distributed import init_distributed, pick_device, shutdown_distributed
     from ladder.engine import Engine, SamplingParams, synchronize
-    from ladder.weights import build_model, init_local_shard
 
-    config = point.config()
-    if point.emulated:
-        device = pick_device(point.device)
-        comm = EmulatedCommunicator(point.link, point.tp, device, point.link_scale)
+    first = group[0]
+    if first.emulated:
+        device = pick_device(first.device)
+        comms: list[Any] = [EmulatedCommunicator(p.link, p.tp, device, p.link_scale) for p in group]
         rank = 0
     else:
-        ctx = init_distributed(point.device)
-        device, comm, rank = ctx.device, ctx.communicator(), ctx.rank
+        ctx = init_distributed(first.device)
+        device, rank = ctx.device, ctx.rank
+        comms = [ctx.communicator()] * len(group)
     try:
-        check_fits(point, device)
-        dtype_name = point.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-        model = build_model(config, comm, device, getattr(torch, dtype_name))
+        check_fits(group, device)
+        dtype_name = first.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        configs = [p.config() for p in group]
+        models = _build_models(first, configs, comms, device, getattr(torch, dtype_name))
+        engines = [Engine(model, compile=first.compile) for model in models]
+        gen = torch.Generator().manual_seed(first.seed)
+        prompt = torch.randint(0, configs[0].vocab_size, (1, first.prompt_len), generator=gen)
+        prompt = prompt.repeat(first.batch_size, 1)  # one synthetic prompt repeated over the batch
+        sampling = SamplingParams(temperature=first.temperature, top_k=first.top_k, seed=first.seed)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for engine in engines:
+            for _ in range(first.warmup):
+                engine.generate(prompt, first.gen_len, sampling)
+        for comm in comms:
+            if isinstance(comm, EmulatedCommunicator):
+                comm.reset_counters()  # count the measured runs only
+        runs: list[list[Any]] = [[] for _ in group]
+        turns: list[list[int]] = [[] for _ in group]  # when each run happened, in the group's order
+        for i in range(first.runs):
+            for j in _rotated(range(len(group)), i):
+                synchronize(device)
+                turns[j].append(sum(map(len, runs)))
+                runs[j].append(engines[j].generate(prompt, first.gen_len, sampling))
+        traces = [_profile(p, e, prompt, sampling, c, rank) if p.profile_dir else None
+                  for p, e, c in zip(group, engines, comms)]
+        if rank != 0:
+            return None
+        results = []
+        for j, point in enumerate(group):
+            result = _result(point, configs[j], models[j], device, dtype_name, runs[j], comms[j])
+            if len(group) > 1:
+                result["interleaved"] = {"layouts": [layout_label(p.describe()) for p in group],
+                                         "turns": turns[j]}
+                result["peak_memory_kind"] += " (all layouts of the group)"
+            if traces[j] is not None:
+                result["trace"] = traces[j]
+            results.append(result)
+        return results
+    finally:
+        if not first.emulated:
+            shutdown_distributed()
+
+
+def _rotated(items: range, shift: int) -> list[int]:
+    """`items` starting at position `shift`: each layout in turn goes first, and follows each other."""
+    k = shift % len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+def _build_models(point: BenchPoint, configs: list[ModelConfig], comms: list[Any], device: torch.device,
+                  dtype: torch.dtype) -> list[torch.nn.Module]:
+    """One model per layout. Layouts with the same parameters share one set of weights."""
+    from ladder.weights import build_model, init_local_shard, share_weights
+
+    models: list[torch.nn.Module] = []
+    for config, comm in zip(configs, comms):
+        model = None
+        for other in models:
+            model = share_weights(config, comm, other)
+            if model is not None:
+                break
+        if model is not None:
+            models.append(model)
+            continue
+        model = build_model(config, comm, device, dtype)
         if point.checkpoint is None:
             init_local_shard(model, point.seed)
         else:
@@ -157,31 +234,8 @@ def bench_on_rank(point: BenchPoint) -> dict[str, Any] | None:
             from ladder.weights import load_weights
 
             load_weights(model, open_checkpoint(point.checkpoint).source)
-        engine = Engine(model, compile=point.compile)
-        gen = torch.Generator().manual_seed(point.seed)
-        prompt = torch.randint(0, config.vocab_size, (1, point.prompt_len), generator=gen)
-        prompt = prompt.repeat(point.batch_size, 1)  # one synthetic prompt repeated over the batch
-        sampling = SamplingParams(temperature=point.temperature, top_k=point.top_k, seed=point.seed)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(point.warmup):
-            engine.generate(prompt, point.gen_len, sampling)
-        if isinstance(comm, EmulatedCommunicator):
-            comm.reset_counters()  # count the measured runs only
-        runs = []
-        for _ in range(point.runs):
-            synchronize(device)
-            runs.append(engine.generate(prompt, point.gen_len, sampling))
-        trace = _profile(point, engine, prompt, sampling, comm, rank) if point.profile_dir else None
-        if rank != 0:
-            return None
-        result = _result(point, config, model, device, dtype_name, runs, comm)
-        if trace is not None:
-            result["trace"] = trace
-        return result
-    finally:
-        if not point.emulated:
-            shutdown_distributed()
+        models.append(model)
+    return models
 
 
 def trace_name(point: BenchPoint, rank: int) -> str:
@@ -305,22 +359,29 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
     return points
 
 
-def run_point(point: BenchPoint) -> dict[str, Any]:
-    """Measure one configuration in fresh worker processes; a failure becomes a `failed` record."""
+def run_group(group: Sequence[BenchPoint]) -> list[dict[str, Any]]:
+    """Measure one configuration, or several measured together, in fresh worker processes; a failure
+    becomes a `failed` record for each of them."""
     from ladder.launch import launch, under_torchrun
 
-    nproc = 1 if point.emulated else point.tp
+    first = group[0]
+    nproc = 1 if first.emulated else first.tp
     try:
-        if under_torchrun() and point.emulated:
-            result = bench_on_rank(point)  # every rank measures its own copy; rank 0 reports
+        if under_torchrun() and first.emulated:
+            results = bench_on_rank(group)  # every rank measures its own copy; rank 0 reports
         else:
-            results = launch(bench_on_rank, nproc, point, isolate=True)
-            result = results.get(0)
+            results = launch(bench_on_rank, nproc, group, isolate=True).get(0)
     except LadderError as exc:
-        return {"schema": SCHEMA_VERSION, "status": "failed", "error": str(exc), **point.describe()}
-    if result is None:  # a non-zero rank under torchrun
-        return {}
-    return result
+        return [{"schema": SCHEMA_VERSION, "status": "failed", "error": str(exc), **p.describe()} for p in group]
+    return results or []  # nothing on a non-zero rank under torchrun
+
+
+def interleaved_groups(points: Sequence[BenchPoint]) -> list[list[BenchPoint]]:
+    """Points that differ only in layout, grouped (in sweep order) to be measured together."""
+    groups: dict[BenchPoint, list[BenchPoint]] = {}
+    for p in points:
+        groups.setdefault(dataclasses.replace(p, layout="", ladder_layers=None), []).append(p)
+    return list(groups.values())
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -331,9 +392,11 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds: int = 1) -> list[dict[str, Any]]:
+def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds: int = 1,
+              interleave: bool = False) -> list[dict[str, Any]]:
     """Measure every point, `rounds` times over: round-robin, so that a slow spell of a shared machine
-    hits every layout alike instead of biasing whichever configuration ran during it."""
+    hits every layout alike instead of biasing whichever configuration ran during it. `interleave`:
+    the layouts of a configuration share one set of workers and take turns run by run (finer still)."""
     from tqdm import tqdm
 
     if rounds < 1:
@@ -341,18 +404,26 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
     out.parent.mkdir(parents=True, exist_ok=True)
     is_main = int(os.environ.get("RANK", "0")) == 0
     records = []
-    schedule = [(i, point) for i in range(rounds) for point in points]
-    bar = tqdm(schedule, desc="bench", unit="config", disable=not (progress and is_main), dynamic_ncols=True)
-    for i, point in bar:
-        bar.set_postfix_str(f"{point.preset} {point.layout} tp={point.tp} bs={point.batch_size} "
-                            f"{point.interconnect}" + (f" round {i + 1}/{rounds}" if rounds > 1 else ""))
-        record = run_point(point)
-        if record and is_main:
-            record["round"] = i
-            append_jsonl(out, record)
-            records.append(record)
-            if record["status"] != "ok":
-                bar.write(f"failed: {point.layout} tp={point.tp} bs={point.batch_size}: {record['error']}")
+    groups = interleaved_groups(points) if interleave else [[p] for p in points]
+    bar = tqdm(total=rounds * len(points), desc="bench", unit="config", disable=not (progress and is_main),
+               dynamic_ncols=True)
+    for i in range(rounds):
+        for group in groups:
+            first = group[0]
+            layouts = "+".join(p.layout for p in group)
+            bar.set_postfix_str(f"{first.preset} {layouts} tp={first.tp} bs={first.batch_size} "
+                                f"{first.interconnect}" + (f" round {i + 1}/{rounds}" if rounds > 1 else ""))
+            for record in run_group(group):
+                if not is_main:
+                    continue
+                record["round"] = i
+                append_jsonl(out, record)
+                records.append(record)
+                if record["status"] != "ok":
+                    bar.write(f"failed: {record['layout']} tp={record['tp']} bs={record['batch_size']}: "
+                              f"{record['error']}")
+            bar.update(len(group))
+    bar.close()
     return records
 
 

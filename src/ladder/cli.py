@@ -289,14 +289,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     weights = "random weights" if args.model is None else f"weights of {args.model}"
     print(f"ladder bench: {len(points)} configurations, {weights}, prompt {args.prompt_len}, "
           f"{args.gen_len} new tokens, {args.warmup} warm-up + {args.runs} measured runs each"
-          + (f", {args.rounds} rounds" if args.rounds > 1 else "") + f" -> {out}",
+          + (f", {args.rounds} rounds" if args.rounds > 1 else "")
+          + (", layouts interleaved run by run" if args.interleave else "") + f" -> {out}",
           flush=True)
     for link in links:
         if link is not None:
             print(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us per rank "
                   f"beyond 2) + ring bytes / {link.bandwidth_gbps:.1f} GB/s, times x{args.link_scale:g}; {link.source}",
                   flush=True)
-    records = run_sweep(points, out, progress=not args.no_progress, rounds=args.rounds)
+    records = run_sweep(points, out, progress=not args.no_progress, rounds=args.rounds, interleave=args.interleave)
     if records:
         print(format_summary(summarise(records)))
         failed = sum(r["status"] != "ok" for r in records)
@@ -465,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=int, default=BENCH_DEFAULTS["runs"], help="measured runs")
     b.add_argument("--rounds", type=int, default=1,
                    help="repeat the sweep, configurations interleaved; the summary pools every round")
+    b.add_argument("--interleave", action="store_true",
+                   help="measure the layouts of each configuration in one set of workers, taking turns run by "
+                        "run, so a noisy machine's drift hits them alike (weights shared where layouts allow)")
     b.add_argument("--interconnect", default=BENCH_DEFAULTS["interconnect"],
                    help="real (torch.distributed), nvlink-h100, pcie-p2p, pcie-no-p2p, infiniband-ndr or "
                         "custom; comma-separated to compare")

@@ -110,6 +110,21 @@ def build_model(config: ModelConfig, comm: Communicator, device: torch.device,
     return model
 
 
+def share_weights(config: ModelConfig, comm: Communicator, like: Transformer) -> Transformer | None:
+    """A model of `config`'s layout computing with `like`'s weights (no copy), or None when the two
+    layouts have different parameters (parallel has one norm per layer, the others two). Standard,
+    ladder, hybrid, desync and upper-bound differ only in how `forward` wires the same modules."""
+    with torch.device("meta"):
+        model = Transformer(config, comm, shard_vocab=like.shard_vocab)
+    state = like.state_dict()
+    if state.keys() != model.state_dict().keys():
+        return None
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    model.inv_freq = like.inv_freq
+    return model
+
+
 def load_weights(model: Transformer, source: TensorSource) -> None:
     """Copy this rank's slices of every Hugging Face tensor in `source` into `model`."""
     config, rank = model.config, model.comm.rank
