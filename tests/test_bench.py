@@ -238,3 +238,24 @@ def test_layouts_with_the_same_parameters_share_one_copy():
         assert torch.equal(ladder(tokens), own(tokens))
         assert not torch.allclose(ladder(tokens), standard(tokens))  # same weights, another function
     assert share_weights(get_preset("tiny", layout="parallel"), comm, standard) is None  # one norm per layer
+
+
+def test_compiled_decode_keeps_the_emulated_waits_at_run_time():
+    """Under torch.compile the emulated link must still read the clock and wait at every step (a graph
+    break), not once when the step is traced."""
+    from ladder.config import get_preset
+    from ladder.engine import Engine
+    from ladder.weights import random_model
+
+    cpu = torch.device("cpu")
+    comm = EmulatedCommunicator(LinkModel("test", latency_us=2000.0, bandwidth_gbps=1.0), world_size=2, device=cpu)
+    engine = Engine(random_model(get_preset("tiny", layout="standard"), comm, cpu), compile=True)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    engine.generate(prompt, 4)  # traces and compiles the decode step
+    comm.reset_counters()
+    start = time.perf_counter()
+    engine.generate(prompt, 6)
+    elapsed = time.perf_counter() - start
+    assert comm.count == 2 * 4 * 6  # 2 per layer x 4 layers, prefill + 5 decode steps
+    assert elapsed >= comm.modelled_s  # standard waits for each all-reduce before going on
+    assert comm.exposed_s > 0.9 * comm.modelled_s
