@@ -79,6 +79,11 @@ def test_summary_pools_rounds():
     t_std, t_lad, t_ub = 8 / 10, 8 / 18, 8 / 20  # batch x gen_len / tokens/s
     assert rows["ladder"]["hidden"] == pytest.approx((t_std - t_lad) / (t_std - t_ub))
 
+    def hidden(std, lad, ub):  # from each round's own medians
+        return (8 / std - 8 / lad) / (8 / std - 8 / ub)
+
+    assert rows["ladder"]["hidden_rounds"] == pytest.approx([hidden(10, 13, 20), hidden(10.5, 19, 20.5)])
+
 
 def test_plot_files(sweep, tmp_path):
     out = ladder_cli("bench", "plot", str(sweep[0]), "--out-dir", str(tmp_path))

@@ -108,13 +108,13 @@ def checkpoint_config(name_or_path: str) -> ModelConfig:
 
 def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, seq: int, dtype_bytes: int,
                           models: int = 1, weight_sets: int = 1) -> int:
-    """One rank's weights (`weight_sets` distinct copies) plus, for each of `models` models, its KV cache
-    and the largest activations, in bytes."""
+    """One rank's weights (`weight_sets` distinct copies), the KV cache of each of `models` models, and
+    the largest activation (one model runs at a time), in bytes."""
     kv_heads = max(1, config.n_kv_heads // tp)
     weights = (config.n_params() - config.vocab_size * config.dim) / tp + config.vocab_size * config.dim
     kv_cache = 2 * config.n_layers * batch * kv_heads * seq * config.head_dim
     logits = batch * seq * config.vocab_size  # prefill logits, the largest activation
-    return int((weight_sets * weights + models * (kv_cache + logits)) * dtype_bytes)
+    return int((weight_sets * weights + models * kv_cache + logits) * dtype_bytes)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -486,6 +486,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["speedup"] = tps[label] / tps["standard"]
                 if label.startswith("ladder") and "upper-bound" in tps and key[3] > 1:  # TP 1: nothing to hide
                     row["hidden"] = hidden_fraction(seconds["standard"], seconds[label], seconds["upper-bound"])
+                    row["hidden_rounds"] = _hidden_per_round(by_layout, label, key[4] * key[6])
             rows.append(row)
     order = {"standard": 0, "parallel": 1, "ladder": 2, "desync": 3, "upper-bound": 4}
     rows.sort(key=lambda r: (r["preset"], r["link"], r["tp"], r["batch_size"],
@@ -500,6 +501,23 @@ def hidden_fraction(t_standard: float, t_ladder: float, t_upper_bound: float) ->
     return (t_standard - t_ladder) / (t_standard - t_upper_bound)
 
 
+def _hidden_per_round(by_layout: dict[str, list[dict[str, Any]]], label: str, tokens: int) -> list[float]:
+    """The whole-run hidden fraction of each round on its own (its spread shows what pooling resolves);
+    empty unless there are several rounds."""
+    def seconds(layout: str, round_: int) -> float | None:
+        runs = [x for r in by_layout[layout] if r.get("round", 0) == round_
+                for x in r.get("tokens_per_s_runs") or [r["tokens_per_s"]]]
+        return tokens / statistics.median(runs) if runs else None
+
+    rounds = sorted({r.get("round", 0) for r in by_layout[label]})
+    out = []
+    for i in rounds if len(rounds) > 1 else []:
+        t = [seconds(layout, i) for layout in ("standard", label, "upper-bound")]
+        if None not in t and (h := hidden_fraction(*t)) is not None:
+            out.append(h)
+    return out
+
+
 def _pooled_in_run(records: list[dict[str, Any]]) -> float | None:
     """1 - exposed / modelled communication over every measured run of an emulated configuration."""
     measured = [r for r in records if r.get("hidden_in_run") is not None and r.get("modelled_comm_s_per_run")]
@@ -507,30 +525,33 @@ def _pooled_in_run(records: list[dict[str, Any]]) -> float | None:
     return 1.0 - sum(r["exposed_comm_s_per_run"] for r in measured) / modelled if modelled else None
 
 
-def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str, str]:
+def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str, str, str]:
     speed = f"{r['speedup']:.3f}" if r["speedup"] is not None else "-"
     hidden = f"{r['hidden']:.2f}" if r["hidden"] is not None else ""
+    rounds = r.get("hidden_rounds") or []
+    spread = f"{min(rounds):.2f}..{max(rounds):.2f}" if rounds else ""
     in_run = f"{r['hidden_in_run']:.2f}" if r.get("hidden_in_run") is not None else ""
-    return r["link"], speed, hidden, in_run
+    return r["link"], speed, hidden, spread, in_run
 
 
 def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
-    """`hidden`: from whole runs, (t_standard - t) / (t_standard - t_upper_bound); `in run`: measured
-    inside each emulated run, the share of the modelled communication that was over before compute needed it."""
+    """`hidden`: from whole runs, (t_standard - t) / (t_standard - t_upper_bound), every round pooled;
+    `rounds`: the lowest and highest of it over the rounds taken one by one; `in run`: measured inside
+    each emulated run, the share of the modelled communication that was over before compute needed it."""
     if markdown:
-        lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden | hidden in run |",
-                 "|---|---|---|---|---|---|---|---|"]
+        lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden | rounds | hidden in run |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            link, speed, hidden, in_run = _summary_cells(r)
+            link, speed, hidden, spread, in_run = _summary_cells(r)
             lines.append(f"| {link} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
-                         f"{speed} | {hidden} | {in_run} |")
+                         f"{speed} | {hidden} | {spread} | {in_run} |")
         return "\n".join(lines)
     width = max([14] + [len(r["preset"]) + 2 for r in rows])
     header = (f"{'preset':<{width}}{'interconnect':<28}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}"
-              f"{'speedup':>9}{'hidden':>8}{'in run':>8}")
+              f"{'speedup':>9}{'hidden':>8}{'rounds':>12}{'in run':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        link, speed, hidden, in_run = _summary_cells(r)
+        link, speed, hidden, spread, in_run = _summary_cells(r)
         lines.append(f"{r['preset']:<{width}}{link:<28}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
-                     f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{in_run:>8}")
+                     f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{spread:>12}{in_run:>8}")
     return "\n".join(lines)
