@@ -218,22 +218,17 @@ def _build_models(point: BenchPoint, configs: list[ModelConfig], comms: list[Any
 
     models: list[torch.nn.Module] = []
     for config, comm in zip(configs, comms):
-        model = None
-        for other in models:
-            model = share_weights(config, comm, other)
-            if model is not None:
-                break
-        if model is not None:
-            models.append(model)
-            continue
-        model = build_model(config, comm, device, dtype)
-        if point.checkpoint is None:
-            init_local_shard(model, point.seed)
-        else:
-            from ladder.checkpoint import open_checkpoint
-            from ladder.weights import load_weights
+        shared = (share_weights(config, comm, other) for other in models)
+        model = next((m for m in shared if m is not None), None)
+        if model is None:
+            model = build_model(config, comm, device, dtype)
+            if point.checkpoint is None:
+                init_local_shard(model, point.seed)
+            else:
+                from ladder.checkpoint import open_checkpoint
+                from ladder.weights import load_weights
 
-            load_weights(model, open_checkpoint(point.checkpoint).source)
+                load_weights(model, open_checkpoint(point.checkpoint).source)
         models.append(model)
     return models
 
