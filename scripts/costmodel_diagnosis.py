@@ -6,11 +6,11 @@ Run: .venv/bin/python scripts/costmodel_diagnosis.py"""
 
 from ladder.bench import hidden_fraction
 from ladder.config import get_preset
-from ladder.costmodel import GPUS, P2P_LINKS, Workload, fitted_constants, paper_table, predict_tokens_per_s
+from ladder.costmodel import GPUS, P2P_LINKS, Workload, fitted_constants, paper_throughputs, predict_tokens_per_s
 from ladder.interconnect import link_presets
 
 constants = fitted_constants()
-table = {(r["layout"], r["tp"], r["batch_size"], r["p2p"]): r["tokens_per_s"] for r in paper_table()}
+table = paper_throughputs()
 print(f"{'tp':>3}{'batch':>6}{'p2p':>5}  {'upper/standard':>20}  {'ladder/standard':>20}  {'hidden':>14}")
 print(f"{'':>14}  {'published predicted':>20}  {'published predicted':>20}  {'pub.  pred.':>14}")
 for (layout, tp, b, p2p), standard in sorted(table.items(), key=lambda kv: kv[0][1:]):

@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from ladder.bench import format_summary, hidden_fraction, read_results, summarise
-from ladder.costmodel import P2P_LINKS, paper_table
+from ladder.costmodel import P2P_LINKS, paper_throughputs
 
 P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}
 
@@ -16,13 +16,13 @@ P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}
 def paper_speedups() -> dict[tuple[str, str, int, int], float]:
     """(layout, p2p, tp, batch) -> the paper's tokens/s over standard's. Upper bound does not
     communicate and was run once, with P2P on: it serves both conditions."""
-    rows = {(r["layout"], r["p2p"], r["tp"], r["batch_size"]): r["tokens_per_s"] for r in paper_table()}
+    rows = paper_throughputs()
     out = {}
-    for (layout, p2p, tp, b), standard in rows.items():
+    for (layout, tp, b, p2p), standard in rows.items():
         if layout != "standard":
             continue
         for other in ("standard", "parallel", "ladder", "upper-bound"):
-            tps = rows.get((other, "on" if other == "upper-bound" else p2p, tp, b))
+            tps = rows.get((other, tp, b, "on" if other == "upper-bound" else p2p))
             if tps:
                 out[(other, p2p, tp, b)] = tps / standard
     return out

@@ -181,9 +181,9 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
         runs: list[list[Any]] = [[] for _ in group]
         turns: list[list[int]] = [[] for _ in group]  # when each run happened, in the group's order
         for i in range(first.runs):
-            for j in _rotated(range(len(group)), i):
+            for turn, j in enumerate(_rotated(range(len(group)), i), start=i * len(group)):
                 synchronize(device)
-                turns[j].append(sum(map(len, runs)))
+                turns[j].append(turn)
                 runs[j].append(engines[j].generate(prompt, first.gen_len, sampling))
         traces = [_profile(p, e, prompt, sampling, c, rank) if p.profile_dir else None
                   for p, e, c in zip(group, engines, comms)]
@@ -217,11 +217,13 @@ def _build_models(point: BenchPoint, configs: list[ModelConfig], comms: list[Any
     from ladder.weights import build_model, init_local_shard, share_weights
 
     models: list[torch.nn.Module] = []
+    owners: list[torch.nn.Module] = []  # the models that hold a set of weights
     for config, comm in zip(configs, comms):
-        shared = (share_weights(config, comm, other) for other in models)
+        shared = (share_weights(config, comm, owner) for owner in owners)
         model = next((m for m in shared if m is not None), None)
         if model is None:
             model = build_model(config, comm, device, dtype)
+            owners.append(model)
             if point.checkpoint is None:
                 init_local_shard(model, point.seed)
             else:

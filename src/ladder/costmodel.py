@@ -149,6 +149,17 @@ def paper_table() -> list[dict[str, Any]]:
     return rows
 
 
+def paper_throughputs() -> dict[tuple[str, int, int, str], float]:
+    """The paper's tokens/s by (layout, TP, batch, P2P)."""
+    return {(r["layout"], r["tp"], r["batch_size"], r["p2p"]): r["tokens_per_s"] for r in paper_table()}
+
+
+def predicted_speedup(w: Workload, layout: str, gpu: GPU, link: LinkModel, constants: CostConstants) -> float:
+    """Predicted tokens/s of `layout` over standard's."""
+    return (predict_tokens_per_s(w, layout, gpu, link, constants)
+            / predict_tokens_per_s(w, "standard", gpu, link, constants))
+
+
 TRAIN_BATCHES = (1, 64)  # fit on the extremes; judge on the batch sizes in between
 HELD_OUT_BATCHES = (4, 16)
 
@@ -231,8 +242,7 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
 def validate(constants: CostConstants | None = None, tolerance: float = 0.05) -> dict[str, Any]:
     """Predicted vs published ladder/standard speedup at every held-out (TP, batch, P2P) point."""
     constants = constants or fitted_constants()
-    table = paper_table()
-    by_key = {(r["layout"], r["tp"], r["batch_size"], r["p2p"]): r["tokens_per_s"] for r in table}
+    by_key = paper_throughputs()
     points = []
     for (layout, tp, b, p2p), std in sorted(by_key.items()):
         if layout != "standard" or b not in HELD_OUT_BATCHES or ("ladder", tp, b, p2p) not in by_key:
@@ -240,8 +250,7 @@ def validate(constants: CostConstants | None = None, tolerance: float = 0.05) ->
         published = by_key[("ladder", tp, b, p2p)] / std
         w = Workload(get_preset("llama-3-70b"), tp, b)
         link = link_presets()[P2P_LINKS[p2p]]
-        predicted = (predict_tokens_per_s(w, "ladder", GPUS["h100"], link, constants)
-                     / predict_tokens_per_s(w, "standard", GPUS["h100"], link, constants))
+        predicted = predicted_speedup(w, "ladder", GPUS["h100"], link, constants)
         points.append({"tp": tp, "batch_size": b, "p2p": p2p, "published": published, "predicted": predicted,
                        "error": predicted - published, "within": abs(predicted - published) <= tolerance})
     within = sum(p["within"] for p in points)
@@ -263,8 +272,7 @@ def validate_other_shape(constants: CostConstants | None = None, tolerance: floa
     for r in csv.DictReader(text.splitlines()):
         w = Workload(get_preset(r["model"]), int(r["tp"]), int(r["batch_size"]), int(r["prompt_len"]),
                      int(r["gen_len"]))
-        predicted = (predict_tokens_per_s(w, r["layout"], GPUS["h100"], link, constants)
-                     / predict_tokens_per_s(w, "standard", GPUS["h100"], link, constants))
+        predicted = predicted_speedup(w, r["layout"], GPUS["h100"], link, constants)
         published = float(r["speedup_over_standard"])
         points.append({"layout": r["layout"], "tp": w.tp, "batch_size": w.batch_size, "p2p": r["p2p"],
                        "published": published, "predicted": predicted, "error": predicted - published,
