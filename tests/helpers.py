@@ -55,9 +55,9 @@ class RecordingCommunicator:
         events = self.events
 
         class _Recorded:
-            def wait(self) -> torch.Tensor:
+            def wait(self, after: torch.Tensor | None = None) -> torch.Tensor:
                 events.append(("wait", j))
-                return inner.wait()
+                return inner.wait(after)
 
         return _Recorded()
 

@@ -245,22 +245,31 @@ def test_layouts_with_the_same_parameters_share_one_copy():
     assert share_weights(get_preset("tiny", layout="parallel"), comm, standard) is None  # one norm per layer
 
 
-def test_compiled_decode_keeps_the_emulated_waits_at_run_time():
-    """Under torch.compile the emulated link must still read the clock and wait at every step (a graph
-    break), not once when the step is traced."""
+def test_compiled_decode_waits_at_run_time_and_keeps_the_ladder_overlap():
+    """Compiled (one graph per step, no graph break), the emulated link's ops still run at every step,
+    not once when the step is traced; and a ladder all-reduce's wait stays after the next module's
+    compute. Left alone, inductor moves it up (it fuses the residual add that reads the result into
+    the previous norm's kernel) or moves the launch down to it (reorder_for_locality): then the wait
+    comes right after the launch, as in standard (measured: 0.14 of the link hidden instead of 0.96)."""
     from ladder.config import get_preset
     from ladder.engine import Engine
     from ladder.weights import random_model
 
     cpu = torch.device("cpu")
-    comm = EmulatedCommunicator(LinkModel("test", latency_us=2000.0, bandwidth_gbps=1.0), world_size=2, device=cpu)
-    engine = Engine(random_model(get_preset("tiny", layout="standard"), comm, cpu), compile=True)
-    prompt = torch.tensor([[3, 1, 4, 1, 5]])
-    engine.generate(prompt, 4)  # traces and compiles the decode step
-    comm.reset_counters()
-    start = time.perf_counter()
-    engine.generate(prompt, 6)
-    elapsed = time.perf_counter() - start
-    assert comm.count == 2 * 4 * 6  # 2 per layer x 4 layers, prefill + 5 decode steps
-    assert elapsed >= comm.modelled_s  # standard waits for each all-reduce before going on
-    assert comm.exposed_s > 0.9 * comm.modelled_s
+    hidden = {}
+    for layout in ("standard", "ladder"):
+        # rank 0's TP-4 shard of a llama-160m-wide model: a module computes for ~0.5 ms on one core
+        comm = EmulatedCommunicator(LinkModel("test", latency_us=300.0, bandwidth_gbps=10.0), world_size=4, device=cpu)
+        config = get_preset("llama-160m", layout=layout).replace(n_layers=4)
+        engine = Engine(random_model(config, comm, cpu), compile=True)
+        prompt = torch.tensor([[3, 1, 4, 1, 5]])
+        engine.generate(prompt, 6)  # traces and compiles the decode step
+        comm.reset_counters()
+        start = time.perf_counter()
+        engine.generate(prompt, 6)
+        elapsed = time.perf_counter() - start
+        assert comm.count == 2 * 4 * 6  # 2 per layer x 4 layers, prefill + 5 decode steps
+        assert elapsed >= comm.modelled_s or layout == "ladder"  # standard waits for each all-reduce
+        hidden[layout] = comm.hidden_fraction
+    assert hidden["standard"] < 0.3, hidden  # what is hidden here is the ops' own dispatch time
+    assert hidden["ladder"] > 0.7, hidden

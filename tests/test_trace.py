@@ -104,3 +104,31 @@ def test_paper_speedups_match_the_published_table():
     assert paper[("ladder", "on", 8, 1)] == pytest.approx(1.308, abs=1e-3)  # docs/paper-results.md
     assert paper[("ladder", "off", 8, 1)] == pytest.approx(1.599, abs=1e-3)
     assert paper[("upper-bound", "off", 8, 1)] == pytest.approx(110.59 / 51.66)
+
+
+def test_compiled_ladder_launches_the_next_all_reduce_before_each_wait(tmp_path):
+    """Real gloo TP 2, decode compiled into one graph: when a ladder all-reduce is waited on, the next
+    module's all-reduce is already launched, so that module computed while the first was in flight.
+    (Traced, funcol.all_reduce waits at once, and inductor moves waits up and launches down unless
+    told otherwise: the raw op, `wait(after=...)` and reorder_for_locality=False keep the schedule.)"""
+    point = BenchPoint("tiny", "ladder", tp=2, batch_size=1, prompt_len=8, gen_len=6, runs=1, compile=True,
+                       profile_dir=str(tmp_path), profile_tokens=6)
+    run_sweep([point], tmp_path / "r.jsonl", progress=False)
+    (record,) = read_results(tmp_path / "r.jsonl")
+    assert record["status"] == "ok", record
+    launch = "_c10d_functional::all_reduce_"  # the compiled step's ops; waits: ladder::wait_after and
+    waits = ("ladder::wait_after", "_c10d_functional::wait_tensor")  # wait_tensor, unless inside the first
+    events = sorted((e for e in read_trace(record["trace"]["path"]) if e.get("name") in (launch, *waits)),
+                    key=lambda e: e["ts"])
+    events = events[next(i for i, e in enumerate(events) if e["name"] == launch):]  # the eager prefill's: not
+    outermost = [e for i, e in enumerate(events)  # the profiler nests an op's implementation in the op
+                 if not any(o["ts"] + o["dur"] >= e["ts"] + e["dur"] for o in events[:i])]
+    in_flight, at_each_wait = 0, []
+    for e in outermost:
+        if e["name"] == launch:
+            in_flight += 1
+        else:
+            at_each_wait.append(in_flight)
+            in_flight -= 1
+    # per decode step, 8 modules: modules 0-6's waits come after the next launch; the last is exposed
+    assert at_each_wait == ([2] * 7 + [1]) * 5

@@ -23,9 +23,15 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("LADDER_DIST_TIMEOUT", "300"))
 
 
 class Handle(Protocol):
-    """A collective in flight. `wait()` blocks until it is done and returns the reduced tensor."""
+    """A collective in flight. `wait()` blocks until it is done and returns the reduced tensor.
 
-    def wait(self) -> torch.Tensor: ...
+    `after`: a tensor the wait must come after, the compute this collective is meant to overlap.
+    Eager code runs in program order and ignores it. Under torch.compile nothing else ties the wait
+    to that compute, and inductor may move the wait forward, e.g. to fuse the residual add that reads
+    its result into the previous norm's kernel, which serialises the step.
+    """
+
+    def wait(self, after: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class Communicator(Protocol):
@@ -48,7 +54,7 @@ class Done:
     def __init__(self, result: torch.Tensor) -> None:
         self.result = result
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, after: torch.Tensor | None = None) -> torch.Tensor:
         return self.result
 
 
@@ -76,8 +82,18 @@ class _FunctionalHandle:
     def __init__(self, pending: torch.Tensor) -> None:
         self.pending = pending
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, after: torch.Tensor | None = None) -> torch.Tensor:
+        if after is not None and torch.compiler.is_compiling():
+            torch.ops.ladder.wait_after(self.pending, after)
+            return self.pending
         return funcol.wait_tensor(self.pending)
+
+
+@torch.library.custom_op("ladder::wait_after", mutates_args=("tensor",))
+def _wait_after(tensor: torch.Tensor, after: torch.Tensor) -> None:
+    """funcol.wait_tensor(tensor), ordered after `after` is computed. It "writes" `tensor`, so
+    whatever reads the reduced tensor is ordered after the wait."""
+    funcol.wait_tensor(tensor)
 
 
 class TorchCommunicator:
@@ -97,6 +113,10 @@ class TorchCommunicator:
         return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.group))
 
     def all_reduce_async(self, x: torch.Tensor) -> Handle:
+        if torch.compiler.is_compiling():
+            # Traced, funcol.all_reduce waits at once (it leaves moving the wait to the compiler, which
+            # by default does not): the raw op leaves the wait where `Handle.wait()` is called.
+            return _FunctionalHandle(torch.ops._c10d_functional.all_reduce(x, "sum", self.group.group_name))
         return _FunctionalHandle(funcol.all_reduce(x, "sum", self.group))
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

@@ -285,14 +285,15 @@ class Transformer(nn.Module):
         ladder attention then reads the residual without the previous (standard) layer's MLP.
         """
         pending: list[Handle] = []
+        y = None  # the newest module's output: the compute a wait must come after
         for j, module in self._residual_modules(rope, input_pos, mask):
             stale = self.config.is_ladder_layer(j // 2)
             while len(pending) > (1 if stale else 0):
-                r = r + pending.pop(0).wait()
+                r = r + pending.pop(0).wait(after=y)
             y = module(r)  # (B, T, dim), partial sum of this rank
             pending.append(self.comm.all_reduce_async(y) if stale else Done(self.comm.all_reduce(y)))
         for handle in pending:  # only the last all-reduce is exposed
-            r = r + handle.wait()
+            r = r + handle.wait(after=y)
         return r
 
     def _parallel_layers(self, r, rope, input_pos, mask) -> torch.Tensor:

@@ -31,8 +31,10 @@ _GLOO_WORK = "gloo:"  # gloo annotates each collective on its worker thread, e.g
 
 
 def profile_generation(engine: Any, prompt: torch.Tensor, new_tokens: int, sampling: Any, comm: Any,
-                       path: Path) -> list[dict[str, Any]]:
-    """Generate `new_tokens` under the profiler, write the Chrome trace to `path`, return its events."""
+                       path: Path, max_seq: int | None = None) -> list[dict[str, Any]]:
+    """Generate `new_tokens` under the profiler, write the Chrome trace to `path`, return its events.
+    `max_seq`: the KV cache length; the measured runs' keeps a compiled step from being recompiled
+    (and the compiler's own work from filling the trace)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from ladder.interconnect import EmulatedCommunicator
@@ -50,7 +52,7 @@ def profile_generation(engine: Any, prompt: torch.Tensor, new_tokens: int, sampl
                 sync_host_s.append(time.perf_counter())
                 with record_function(SYNC_MARKER):
                     pass
-            engine.generate(prompt, new_tokens, sampling)
+            engine.generate(prompt, new_tokens, sampling, max_seq=max_seq)
         transfers = list(comm.transfers) if log_transfers else []
     finally:
         if log_transfers:
@@ -128,8 +130,9 @@ def _covered(interval: tuple[float, float], union: list[tuple[float, float]], un
 
 
 def _is_collective_op(name: str) -> bool:
-    """Launching or waiting for a collective is not compute (wait_tensor blocks until the data is in)."""
-    return name.startswith(("_c10d_functional::", "c10d::", "PythonSubclass")) or name == SYNC_MARKER
+    """Launching or waiting for a collective is not compute (wait_tensor blocks until the data is in).
+    `ladder::` ops are the compiled forms: emulated launch and wait, and wait_tensor after a tensor."""
+    return name.startswith(("_c10d_functional::", "c10d::", "PythonSubclass", "ladder::")) or name == SYNC_MARKER
 
 
 def link_overlap(events: list[dict[str, Any]]) -> dict[str, Any] | None:
