@@ -11,6 +11,10 @@
 # Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP to trim
 # the sweep, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the models and shapes (a dry run
 # on CPU: DEVICE=cpu COMPILE= PRESET_SMALL=tiny PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
+# Every sweep runs with --resume, batch size by batch size (batch 1 of both links first): on a machine
+# lent in time-limited calls, run it again and it goes on where the previous call was stopped, e.g.
+#   RESULTS=.gpu-results bash scripts/gpu_checks.sh; cp -r .gpu-results "$OUT"/   (.gpu-results is ignored by git)
+# The layouts of a configuration share one process and its weights and take turns (--interleave).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,11 +37,13 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee 
 
 ladder bench --preset "$small" --layouts standard,parallel,ladder,desync,upper-bound --tp 1 --batch-sizes 1 \
     --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" --runs "$runs" --device "$device" $compile \
-    --no-progress --out "$out/compiled-tp1.jsonl"
-ladder bench --preset "$big" --layouts standard,parallel,ladder,upper-bound --tp "$tp" --batch-sizes "$batches" \
-    --interconnect nvlink-h100,pcie-no-p2p --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" \
-    --runs "$runs" --device "$device" $compile --profile "$out/traces" --profile-tokens 4 --no-progress \
-    --out "$out/${big}-tp${tp}-shard.jsonl"
+    --interleave --resume --no-progress --out "$out/compiled-tp1.jsonl"
+for batch in ${batches//,/ }; do
+    ladder bench --preset "$big" --layouts standard,parallel,ladder,upper-bound --tp "$tp" --batch-sizes "$batch" \
+        --interconnect nvlink-h100,pcie-no-p2p --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" \
+        --runs "$runs" --device "$device" $compile --profile "$out/traces" --profile-tokens 4 --interleave \
+        --resume --no-progress --out "$out/${big}-tp${tp}-shard.jsonl"
+done
 ladder bench plot "$out/${big}-tp${tp}-shard.jsonl"
 "$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard.jsonl" --compiled "$out/compiled-tp1.jsonl" \
     | tee "$out/report.md"

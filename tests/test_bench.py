@@ -185,6 +185,24 @@ def test_failed_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert len(read_results(out)) == 3  # earlier results kept, both new ones appended
 
 
+def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path):
+    out = tmp_path / "r.jsonl"
+    link = LinkModel("test", latency_us=100.0, bandwidth_gbps=1.0)
+    common = dict(tp=2, batch_size=1, prompt_len=4, gen_len=2, link=link, runs=1)
+    too_big = BenchPoint("llama-3.1-405b", "ladder", tp=8, batch_size=64, prompt_len=1024, gen_len=512, link=link)
+    points = [BenchPoint("tiny", "standard", **common), BenchPoint("tiny", "ladder", **common), too_big]
+    first = run_sweep(points[:1] + [too_big], out, progress=False)
+    with out.open("a") as f:
+        f.write('{"schema": 1, "status": "ok", "layout": "lad')  # a record cut short by a killed run
+    again = run_sweep(points, out, progress=False, resume=True)
+    assert [r["layout"] for r in again] == ["standard", "ladder", "ladder"]
+    assert again[0] == first[0]  # read back, not measured again
+    assert [r["status"] for r in again] == ["ok", "ok", "failed"]  # a failure is tried again
+    lines = out.read_text().splitlines()
+    assert len(lines) == 4 and all(json.loads(line) for line in lines)  # the cut line is gone
+    assert run_sweep(points[:2], out, progress=False, resume=True) == again[:2]  # nothing left to measure
+
+
 @pytest.mark.parametrize("args,message", [
     (["--interconnect", "carrier-pigeon"], "unknown interconnect 'carrier-pigeon'"),
     (["--layouts", "standard,zigzag"], "unknown layout 'zigzag'"),

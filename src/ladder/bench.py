@@ -384,31 +384,70 @@ def interleaved_groups(points: Sequence[BenchPoint]) -> list[list[BenchPoint]]:
     return list(groups.values())
 
 
+def _drop_cut_line(path: Path) -> None:
+    """Every record is written whole with its newline: text after the last newline is a record a killed
+    run was cut off writing, not a result. Remove it so that the next record starts a line."""
+    if not path.is_file():
+        return
+    with path.open("r+b") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        f.truncate(f.read().rfind(b"\n") + 1)
+
+
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one record and make sure it is on disk before the next configuration starts."""
+    _drop_cut_line(path)
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
+def point_key(description: dict[str, Any], round_: int) -> str:
+    """What identifies a measurement: the point's every setting (as `describe()` gives it) and its round."""
+    return json.dumps([{k: description.get(k) for k in _DESCRIBED}, round_], sort_keys=True)
+
+
+_DESCRIBED = tuple(BenchPoint("", "", 1, 1, 1, 1).describe())
+
+
+def measured_already(out: Path) -> dict[str, dict[str, Any]]:
+    """The successful records of a results file, by `point_key` (a later record of a key wins)."""
+    if not out.is_file():
+        return {}
+    return {point_key(r, r.get("round", 0)): r for r in read_results(out) if r.get("status") == "ok"}
+
+
 def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds: int = 1,
-              interleave: bool = False) -> list[dict[str, Any]]:
+              interleave: bool = False, resume: bool = False) -> list[dict[str, Any]]:
     """Measure every point, `rounds` times over: round-robin, so that a slow spell of a shared machine
     hits every layout alike instead of biasing whichever configuration ran during it. `interleave`:
-    the layouts of a configuration share one set of workers and take turns run by run (finer still)."""
+    the layouts of a configuration share one set of workers and take turns run by run (finer still).
+    `resume`: points (and rounds) with a successful record in `out` are not measured again; their
+    records are returned with the new ones (an interrupted sweep, or one cut into time-limited jobs)."""
     from tqdm import tqdm
 
     if rounds < 1:
         raise LadderError(f"--rounds must be at least 1, got {rounds}")
     out.parent.mkdir(parents=True, exist_ok=True)
     is_main = int(os.environ.get("RANK", "0")) == 0
+    done = measured_already(out) if resume else {}
     records = []
     groups = interleaved_groups(points) if interleave else [[p] for p in points]
     bar = tqdm(total=rounds * len(points), desc="bench", unit="config", disable=not (progress and is_main),
                dynamic_ncols=True)
     for i in range(rounds):
         for group in groups:
+            keys = [point_key(p.describe(), i) for p in group]
+            if all(k in done for k in keys):
+                records.extend(done[k] for k in keys)
+                bar.update(len(group))
+                continue
             first = group[0]
             layouts = "+".join(p.layout for p in group)
             bar.set_postfix_str(f"{first.preset} {layouts} tp={first.tp} bs={first.batch_size} "
@@ -417,6 +456,9 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
                 if not is_main:
                     continue
                 record["round"] = i
+                if point_key(record, i) in done:  # a group measured again for a layout of it that failed
+                    records.append(done[point_key(record, i)])
+                    continue
                 append_jsonl(out, record)
                 records.append(record)
                 if record["status"] != "ok":
@@ -432,13 +474,17 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
 def read_results(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise LadderError(f"no results file at {path}")
+    text = path.read_text()
     records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    lines = text.splitlines()
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
+            if n == len(lines) and not text.endswith("\n"):
+                continue  # the last record of a killed run, cut short while being written: not a result
             raise LadderError(f"{path}:{n} is not a JSON line") from None
     return records
 

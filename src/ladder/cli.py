@@ -266,7 +266,7 @@ def parse_list(text: str, kind: type = str, flag: str = "") -> list:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ladder.bench import format_summary, run_sweep, summarise, sweep_points
+    from ladder.bench import format_summary, measured_already, point_key, run_sweep, summarise, sweep_points
     from ladder.interconnect import get_link
 
     links = [get_link(name, args.link_latency_us, args.link_bandwidth_gbps)
@@ -297,11 +297,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us per rank "
                   f"beyond 2) + ring bytes / {link.bandwidth_gbps:.1f} GB/s, times x{args.link_scale:g}; {link.source}",
                   flush=True)
-    records = run_sweep(points, out, progress=not args.no_progress, rounds=args.rounds, interleave=args.interleave)
+    done = measured_already(out) if args.resume else {}
+    if done:
+        print(f"  --resume: {len(done)} successful records in {out}; the configurations among them are not "
+              "measured again", flush=True)
+    records = run_sweep(points, out, progress=not args.no_progress, rounds=args.rounds, interleave=args.interleave,
+                        resume=args.resume)
     if records:
         print(format_summary(summarise(records)))
         failed = sum(r["status"] != "ok" for r in records)
-        print(f"{len(records) - failed} configurations measured, {failed} failed; results appended to {out}")
+        reused = sum(point_key(r, r.get("round", 0)) in done for r in records)
+        print(f"{len(records) - failed - reused} configurations measured, {failed} failed"
+              + (f", {reused} from earlier runs" if reused else "") + f"; results appended to {out}")
         for r in records:
             if r.get("trace"):
                 overlap = (r["trace"]["link"] or {}).get("overlap_fraction")
@@ -481,6 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on GPU)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default=BENCH_DEFAULTS["out"], help="JSON-lines results file (appended)")
+    b.add_argument("--resume", action="store_true",
+                   help="skip configurations (and rounds) already measured successfully in --out")
     b.add_argument("--profile", metavar="DIR", help="also write a profiler trace (Chrome JSON) of one short extra "
                                                      "run per configuration, and read the overlap back from it")
     b.add_argument("--profile-tokens", type=int, default=8, help="new tokens of the profiled run")

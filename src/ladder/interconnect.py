@@ -76,7 +76,9 @@ def fit_link(name: str, measurements: list[tuple[int, Collectives, float]], sour
     scale = a.abs().max(dim=0).values  # columns differ by orders of magnitude
     sol = torch.linalg.lstsq(a / scale, y[:, None]).solution[:, 0] / scale
     latency, per_rank, us_per_byte = (float(v) for v in sol)
-    return LinkModel(name, latency, 1.0 / us_per_byte / 1e3, per_rank, source)
+    # Rounded far below any physical meaning: the solve's last bits vary from run to run (threaded
+    # BLAS), and results files name a link by its numbers (`ladder bench --resume` matches on them).
+    return LinkModel(name, round(latency, 6), round(1.0 / us_per_byte / 1e3, 6), round(per_rank, 6), source)
 
 
 CALIBRATION_BATCHES = (1, 64)  # the cost model is judged on the other batch sizes of the table
