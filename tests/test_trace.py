@@ -11,6 +11,8 @@ from ladder.bench import BenchPoint, read_results, run_sweep
 from ladder.interconnect import LinkModel
 from ladder.trace import SYNC_MARKER, link_overlap, read_trace
 
+from helpers import in_flight_at_each_wait
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
@@ -116,19 +118,7 @@ def test_compiled_ladder_launches_the_next_all_reduce_before_each_wait(tmp_path)
     run_sweep([point], tmp_path / "r.jsonl", progress=False)
     (record,) = read_results(tmp_path / "r.jsonl")
     assert record["status"] == "ok", record
-    launch = "_c10d_functional::all_reduce_"  # the compiled step's ops; waits: ladder::wait_after and
-    waits = ("ladder::wait_after", "_c10d_functional::wait_tensor")  # wait_tensor, unless inside the first
-    events = sorted((e for e in read_trace(record["trace"]["path"]) if e.get("name") in (launch, *waits)),
-                    key=lambda e: e["ts"])
-    events = events[next(i for i, e in enumerate(events) if e["name"] == launch):]  # the eager prefill's: not
-    outermost = [e for i, e in enumerate(events)  # the profiler nests an op's implementation in the op
-                 if not any(o["ts"] + o["dur"] >= e["ts"] + e["dur"] for o in events[:i])]
-    in_flight, at_each_wait = 0, []
-    for e in outermost:
-        if e["name"] == launch:
-            in_flight += 1
-        else:
-            at_each_wait.append(in_flight)
-            in_flight -= 1
+    at_each_wait = in_flight_at_each_wait(read_trace(record["trace"]["path"]), "_c10d_functional::all_reduce_",
+                                          ("ladder::wait_after", "_c10d_functional::wait_tensor"))
     # per decode step, 8 modules: modules 0-6's waits come after the next launch; the last is exposed
     assert at_each_wait == ([2] * 7 + [1]) * 5
