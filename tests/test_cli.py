@@ -34,6 +34,15 @@ def test_generate_tp2_equals_tp1_and_says_weights_are_random():
     assert len(generated(one.stdout).split(":")[1].split()) == 16
 
 
+def test_parallel_layout_runs_from_a_preset():
+    """Random weights can take the parallel layout (a checkpoint with two norms per layer cannot)."""
+    args = ["generate", "--preset", "tiny", "--layout", "parallel", "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
+    one, two = run(*args, "--tp", "1"), run(*args, "--tp", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "layout parallel" in one.stderr
+    assert generated(one.stdout) == generated(two.stdout)
+
+
 def test_generate_batch_with_sampling():
     out = run("generate", "--preset", "tiny", "--layout", "ladder", "--ladder-layers", "2", "--tp", "2",
               "--shard-vocab", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6", "--max-new-tokens", "5",

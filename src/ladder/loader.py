@@ -44,11 +44,16 @@ class ModelSpec:
 
         return with_layout(config, self.layout, self.ladder_layers, self.desync_reduce)
 
+    def preset_config(self) -> ModelConfig:
+        """The preset in this spec's layout. Random weights can take any layout, parallel included
+        (only a trained checkpoint's two norms per layer cannot become one)."""
+        return self.convert(get_preset(self.preset, **({"layout": "parallel"} if self.layout == "parallel" else {})))
+
     def validate(self) -> ModelConfig | None:
         """Cheap checks in the launching process, before any worker starts. Returns the config when it
         is known without reading weights (a preset, or a Hugging Face folder's config.json)."""
         if self.model is None:
-            config = self.convert(get_preset(self.preset))
+            config = self.preset_config()
         else:
             from ladder.checkpoint import config_from_hf, resolve_model
 
@@ -85,7 +90,7 @@ def load_model(spec: ModelSpec, comm: Communicator, device: torch.device) -> Loa
     start = time.perf_counter()
     dtype = spec.torch_dtype(device)
     if spec.model is None:
-        config = spec.convert(get_preset(spec.preset))
+        config = spec.preset_config()
         config.check_run_tp(comm.world_size)
         model = random_model(config, comm, device, dtype, seed=spec.seed, shard_vocab=spec.shard_vocab)
         return LoadedModel(model.eval(), None, True, time.perf_counter() - start, "random")
