@@ -307,8 +307,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(format_summary(summarise(records)))
         failed = sum(r["status"] != "ok" for r in records)
         reused = sum(point_key(r, r.get("round", 0)) in done for r in records)
-        print(f"{len(records) - failed - reused} configurations measured, {failed} failed"
-              + (f", {reused} from earlier runs" if reused else "") + f"; results appended to {out}")
+        measured = len(records) - failed - reused
+        print(f"{measured} configurations measured, {failed} failed" + (f", {reused} from earlier runs" if reused else "")
+              + (f"; results appended to {out}" if measured + failed else f"; nothing new appended to {out}"))
         for r in records:
             if r.get("trace"):
                 overlap = (r["trace"]["link"] or {}).get("overlap_fraction")

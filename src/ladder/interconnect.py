@@ -220,6 +220,7 @@ class EmulatedCommunicator:
 
     def reset_counters(self) -> None:
         self.modelled_s, self.exposed_s, self.count = 0.0, 0.0, 0
+        self.in_flight.clear()  # between generations nothing is in flight, unless a step raised midway
 
     @property
     def hidden_fraction(self) -> float | None:
