@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ladder.bench import BenchPoint, read_results, run_sweep, summarise, sweep_points
+from ladder.bench import BenchPoint, measured_already, read_results, run_sweep, summarise, sweep_points
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
 
@@ -194,13 +194,13 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path):
     first = run_sweep(points[:1] + [too_big], out, progress=False)
     with out.open("a") as f:
         f.write('{"schema": 1, "status": "ok", "layout": "lad')  # a record cut short by a killed run
-    again = run_sweep(points, out, progress=False, resume=True)
+    again = run_sweep(points, out, progress=False, done=measured_already(out))
     assert [r["layout"] for r in again] == ["standard", "ladder", "ladder"]
     assert again[0] == first[0]  # read back, not measured again
     assert [r["status"] for r in again] == ["ok", "ok", "failed"]  # a failure is tried again
     lines = out.read_text().splitlines()
     assert len(lines) == 4 and all(json.loads(line) for line in lines)  # the cut line is gone
-    assert run_sweep(points[:2], out, progress=False, resume=True) == again[:2]  # nothing left to measure
+    assert run_sweep(points[:2], out, progress=False, done=measured_already(out)) == again[:2]  # nothing left to measure
 
 
 @pytest.mark.parametrize("args,message", [

@@ -25,10 +25,17 @@ def generated(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("generated"))
 
 
-def test_generate_tp2_equals_tp1_and_says_weights_are_random():
-    args = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "16"]
+def at_tp1_and_tp2(layout: str, new_tokens: int) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """`ladder generate` of the tiny preset's random weights at TP 1 and at TP 2, both successful."""
+    args = ["generate", "--preset", "tiny", "--layout", layout, "--prompt-ids", "1,2,3",
+            "--max-new-tokens", str(new_tokens)]
     one, two = run(*args, "--tp", "1"), run(*args, "--tp", "2")
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    return one, two
+
+
+def test_generate_tp2_equals_tp1_and_says_weights_are_random():
+    one, two = at_tp1_and_tp2("ladder", 16)
     assert "RANDOM" in one.stderr
     assert generated(one.stdout) == generated(two.stdout)
     assert len(generated(one.stdout).split(":")[1].split()) == 16
@@ -36,9 +43,7 @@ def test_generate_tp2_equals_tp1_and_says_weights_are_random():
 
 def test_parallel_layout_runs_from_a_preset():
     """Random weights can take the parallel layout (a checkpoint with two norms per layer cannot)."""
-    args = ["generate", "--preset", "tiny", "--layout", "parallel", "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
-    one, two = run(*args, "--tp", "1"), run(*args, "--tp", "2")
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    one, two = at_tp1_and_tp2("parallel", 8)
     assert "layout parallel" in one.stderr
     assert generated(one.stdout) == generated(two.stdout)
 

@@ -410,10 +410,8 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 def point_key(description: dict[str, Any], round_: int) -> str:
     """What identifies a measurement: the point's every setting (as `describe()` gives it) and its round."""
-    return json.dumps([{k: description.get(k) for k in _DESCRIBED}, round_], sort_keys=True)
-
-
-_DESCRIBED = tuple(BenchPoint("", "", 1, 1, 1, 1).describe())
+    settings = {f.name: description.get(f.name) for f in dataclasses.fields(BenchPoint)}
+    return json.dumps([settings, round_], sort_keys=True)
 
 
 def measured_already(out: Path) -> dict[str, dict[str, Any]]:
@@ -424,19 +422,20 @@ def measured_already(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds: int = 1,
-              interleave: bool = False, resume: bool = False) -> list[dict[str, Any]]:
+              interleave: bool = False, done: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Measure every point, `rounds` times over: round-robin, so that a slow spell of a shared machine
     hits every layout alike instead of biasing whichever configuration ran during it. `interleave`:
     the layouts of a configuration share one set of workers and take turns run by run (finer still).
-    `resume`: points (and rounds) with a successful record in `out` are not measured again; their
-    records are returned with the new ones (an interrupted sweep, or one cut into time-limited jobs)."""
+    `done` (`measured_already(out)`, to resume): points (and rounds) with a record there are not
+    measured again; their records are returned with the new ones (an interrupted sweep, or one cut
+    into time-limited jobs)."""
     from tqdm import tqdm
 
     if rounds < 1:
         raise LadderError(f"--rounds must be at least 1, got {rounds}")
     out.parent.mkdir(parents=True, exist_ok=True)
     is_main = int(os.environ.get("RANK", "0")) == 0
-    done = measured_already(out) if resume else {}
+    done = done or {}
     records = []
     groups = interleaved_groups(points) if interleave else [[p] for p in points]
     bar = tqdm(total=rounds * len(points), desc="bench", unit="config", disable=not (progress and is_main),
@@ -456,8 +455,9 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
                 if not is_main:
                     continue
                 record["round"] = i
-                if point_key(record, i) in done:  # a group measured again for a layout of it that failed
-                    records.append(done[point_key(record, i)])
+                earlier = done.get(point_key(record, i))
+                if earlier is not None:  # a group measured again for a layout of it that failed
+                    records.append(earlier)
                     continue
                 append_jsonl(out, record)
                 records.append(record)

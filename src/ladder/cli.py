@@ -302,7 +302,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"  --resume: {len(done)} successful records in {out}; the configurations among them are not "
               "measured again", flush=True)
     records = run_sweep(points, out, progress=not args.no_progress, rounds=args.rounds, interleave=args.interleave,
-                        resume=args.resume)
+                        done=done)
     if records:
         print(format_summary(summarise(records)))
         failed = sum(r["status"] != "ok" for r in records)

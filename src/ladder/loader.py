@@ -45,9 +45,9 @@ class ModelSpec:
         return with_layout(config, self.layout, self.ladder_layers, self.desync_reduce)
 
     def preset_config(self) -> ModelConfig:
-        """The preset in this spec's layout. Random weights can take any layout, parallel included
-        (only a trained checkpoint's two norms per layer cannot become one)."""
-        return self.convert(get_preset(self.preset, **({"layout": "parallel"} if self.layout == "parallel" else {})))
+        """The preset built in this spec's layout: random weights can take any, parallel included. (Only
+        a trained checkpoint's two norms per layer cannot become one, which `convert` refuses.)"""
+        return self.convert(get_preset(self.preset, **({"layout": self.layout} if self.layout else {})))
 
     def validate(self) -> ModelConfig | None:
         """Cheap checks in the launching process, before any worker starts. Returns the config when it
