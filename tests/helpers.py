@@ -1,6 +1,9 @@
-"""Shared test helpers: a recording communicator, the unoptimised ladder recurrence, TP workers."""
+"""Shared test helpers: a recording communicator, the unoptimised ladder recurrence, TP workers, the CLI."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import torch
 
@@ -10,6 +13,11 @@ from ladder.model import Transformer
 from ladder.weights import random_model
 
 CPU = torch.device("cpu")
+
+
+def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`ladder ARGS...` in a fresh interpreter, output captured."""
+    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def tiny(**changes) -> ModelConfig:

@@ -1,8 +1,6 @@
 """ladder bench: a short real + emulated sweep, the emulated link's timing, failures kept in the file."""
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,13 +10,11 @@ from ladder.bench import BenchPoint, measured_already, read_results, run_sweep, 
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
 
+from helpers import ladder_cli
+
 REQUIRED = {"layout", "preset", "model", "tp", "batch_size", "prompt_len", "gen_len", "interconnect", "emulated",
             "env", "prefill_s", "decode_s", "tokens_per_s", "decode_token_latency_ms", "peak_memory_bytes",
             "achieved_bandwidth_gbps", "dtype"}
-
-
-def ladder_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +206,11 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path):
     (["--tp", "64", "--preset", "llama-3-70b"], "--tp 64 needs 64 processes"),
     (["--interconnect", "custom"], "--interconnect custom needs --link-latency-us and --link-bandwidth-gbps"),
     (["--batch-sizes", "1,x"], "--batch-sizes expects a comma-separated list of ints"),
+    (["--runs", "0"], "--runs must be >= 1 and --warmup >= 0, got 0 and 1"),
+    (["--warmup", "-1"], "--runs must be >= 1 and --warmup >= 0, got 1 and -1"),
+    (["--interconnect", "pcie-no-p2p", "--link-scale", "-2"], "--link-scale must be a positive number, got -2"),
+    (["--interconnect", "pcie-no-p2p", "--link-scale", "nan"], "--link-scale must be a positive number, got nan"),
+    (["--link-scale", "10"], "--link-scale dilates an emulated link, and --interconnect real has none"),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path):
     out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",

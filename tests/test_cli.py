@@ -69,6 +69,7 @@ def test_generate_batch_with_sampling():
     (["--ladder-layers", "-1"], "ladder_layers must be between 0 and n_layers=4, got -1"),
     (["--preset", "llama-3-70b", "--tp", "64"], "--tp 64 needs 64 processes"),
     (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+    (["--stop-ids", "2,x"], "--stop-ids must be comma-separated integers"),
     (["--prompt-ids", "1,999"], "token id 999 is outside the vocabulary [0, 256)"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):

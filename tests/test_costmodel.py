@@ -7,9 +7,11 @@ from importlib import resources
 import pytest
 
 from ladder.costmodel import (GPUS, HELD_OUT_BATCHES, TRAIN_BATCHES, Workload, fit_on_paper, fitted_constants,
-                              paper_table, predict_tokens_per_s, validate, validate_other_shape)
+                              paper_table, predict_table, predict_tokens_per_s, validate, validate_other_shape)
 from ladder.config import get_preset
 from ladder.interconnect import get_link
+
+from helpers import ladder_cli
 
 
 def test_stored_constants_are_the_fit_of_the_training_split():
@@ -62,3 +64,30 @@ def test_layout_order_and_scaling():
     assert speedup(slow) > speedup(link)  # ladder buys more on a slower interconnect
     h200 = predict_tokens_per_s(w, "standard", GPUS["h200"], link, k)
     assert h200 > t["standard"]  # more HBM bandwidth, faster decode
+
+
+def test_predict_command_prints_the_table_of_the_api():
+    out = ladder_cli("predict", "--preset", "llama-3-70b", "--gpu", "h100", "--interconnect", "pcie-no-p2p",
+                     "--tp", "8", "--batch-sizes", "1,16", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["batch_size"], r["layout"]) for r in rows] == [
+        (b, layout) for b in (1, 16) for layout in ("standard", "parallel", "ladder", "upper-bound")]
+    expected = predict_table("llama-3-70b", GPUS["h100"], get_link("pcie-no-p2p"), 8, [1, 16],
+                             ["standard", "parallel", "ladder", "upper-bound"], 1024, 512)
+    assert [r["tokens_per_s"] for r in rows] == pytest.approx([r["tokens_per_s"] for r in expected], rel=1e-9)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-sizes", "0"], "batch sizes, --prompt-len and --gen-len must be >= 1"),
+    (["--gen-len", "0"], "batch sizes, --prompt-len and --gen-len must be >= 1"),
+    (["--tp", "3"], "ffn_hidden 28672 is not divisible by tensor-parallel degree 3"),
+    (["--gpu", "b300"], "unknown gpu 'b300'; known: h100"),
+    (["--interconnect", "real"], "ladder predict needs a link model"),
+    (["--layouts", "ladder,desync"], "the cost model knows standard, parallel, ladder and upper-bound, not 'desync'"),
+])
+def test_predict_bad_input_is_one_line(args, message):
+    out = ladder_cli("predict", "--preset", "llama-3-70b", "--interconnect", "nvlink-h100", "--tp", "8", *args)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert message in lines[0]

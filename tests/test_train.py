@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -177,3 +178,23 @@ def test_config_file_and_cli(corpus, tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     bad = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "steps=abc"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "ladder: error: steps expects an integer, got 'abc'"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("lr=-1", "lr must be > 0, got -1.0"),
+    ("lr=nan", "lr must be > 0, got nan"),
+    ("keep_checkpoints=0", "keep_checkpoints must be > 0, got 0"),  # checkpoint_dirs[:-0] deletes nothing: every checkpoint kept
+    ("checkpoint_every=0", "checkpoint_every must be > 0, got 0"),
+    ("eval_every=0", "eval_every must be > 0, got 0"),
+    ("warmup_steps=-3", "warmup_steps must be >= 0, got -3"),
+    ("min_lr=1", "min_lr 1 is above lr 0.003"),
+    ("beta2=1", "beta2 must be in [0, 1), got 1.0"),
+])
+def test_settings_out_of_range_are_refused_before_training(override, message):
+    with pytest.raises(LadderError, match=re.escape(message)):
+        load_train_config(None, [override])
+
+
+def test_nproc_below_one_is_one_line():
+    bad = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "--nproc", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "ladder: error: --nproc must be >= 1, got 0"

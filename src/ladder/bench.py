@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import platform
 import resource
@@ -347,10 +348,19 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
               for p in presets for link in links for tp in tps for b in batch_sizes for layout in layouts]
     from ladder.launch import check_launchable
 
+    if any(p.link_scale != 1 for p in points) and not any(p.emulated for p in points):
+        raise LadderError("--link-scale dilates an emulated link, and --interconnect real has none: "
+                          "name one, e.g. --interconnect pcie-no-p2p")
     for point in points:
         config = point.config()
         if not point.emulated:
             check_launchable(point.tp)
+        if point.runs < 1 or point.warmup < 0:
+            raise LadderError(f"--runs must be >= 1 and --warmup >= 0, got {point.runs} and {point.warmup}")
+        if not (math.isfinite(point.link_scale) and point.link_scale > 0):
+            raise LadderError(f"--link-scale must be a positive number, got {point.link_scale:g}")
+        if point.profile_dir is not None and point.profile_tokens < 1:
+            raise LadderError(f"--profile-tokens must be >= 1, got {point.profile_tokens}")
         if point.batch_size < 1 or point.prompt_len < 1 or point.gen_len < 1:
             raise LadderError("batch sizes, --prompt-len and --gen-len must be >= 1")
         if point.prompt_len + point.gen_len > config.max_seq_len:

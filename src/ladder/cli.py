@@ -72,13 +72,13 @@ class GenerateRequest:
     compile: bool = False
 
 
-def parse_ids(text: str) -> list[int]:
+def parse_ids(text: str, flag: str) -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise LadderError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise LadderError(f"{flag} must be comma-separated integers, got {text!r}") from None
     if not ids:
-        raise LadderError("--prompt-ids is empty")
+        raise LadderError(f"{flag} is empty")
     return ids
 
 
@@ -155,7 +155,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise LadderError("give exactly one of --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3")
     if args.max_new_tokens < 1:
         raise LadderError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    prompts = [parse_ids(p) for p in args.prompt_ids] if args.prompt_ids else None
+    prompts = [parse_ids(p, "--prompt-ids") for p in args.prompt_ids] if args.prompt_ids else None
     if prompts:
         if len({len(p) for p in prompts}) > 1:
             raise LadderError(f"batched prompts must have equal lengths, got {[len(p) for p in prompts]}")
@@ -167,9 +167,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
             if bad:
                 raise LadderError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    stop_ids = tuple(parse_ids(args.stop_ids, "--stop-ids")) if args.stop_ids else ()
     req = GenerateRequest(model=spec, max_new_tokens=args.max_new_tokens, prompt_ids=prompts, prompt=args.prompt,
                           chat=args.chat, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          stop_ids=tuple(parse_ids(args.stop_ids)) if args.stop_ids else (), compile=args.compile)
+                          stop_ids=stop_ids, compile=args.compile)
     launch(generate_on_rank, spec.tp, req)
     return 0
 
@@ -402,7 +403,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ladder.train import load_train_config
 
     config = load_train_config(args.config, args.overrides)
-    results = launch(train_on_rank, args.nproc, config, args.resume, not args.no_progress)
+    results = launch(train_on_rank, args.nproc, config, args.resume, not args.no_progress, flag="--nproc")
     result = results.get(0)
     if result:
         eval_text = (f", held-out loss {result['eval_loss']:.4f} (perplexity {math.exp(result['eval_loss']):.2f})"

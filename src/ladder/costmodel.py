@@ -228,6 +228,8 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     constants = constants or fitted_constants()
     config = get_preset(preset)
     config.check_tp(tp)
+    if min(batch_sizes) < 1 or prompt_len < 1 or gen_len < 1:
+        raise LadderError("batch sizes, --prompt-len and --gen-len must be >= 1")
     rows = []
     for b in batch_sizes:
         w = Workload(config, tp, b, prompt_len, gen_len)

@@ -48,34 +48,37 @@ def _worker(fn: Callable[..., T], error_dir: str, args: tuple[Any, ...]) -> T:
         raise SystemExit(1)
 
 
-def check_launchable(nproc: int) -> None:
+def check_launchable(nproc: int, flag: str = "--tp") -> None:
     """Refuse a local launch this machine cannot hold: one GPU per rank, or a few ranks per CPU core."""
+    if nproc < 1:
+        raise LadderError(f"{flag} must be >= 1, got {nproc}")
     if under_torchrun():
         return
     cpus = os.cpu_count() or 1
     if not torch.cuda.is_available() and nproc > 8 * cpus:
-        raise LadderError(f"--tp {nproc} needs {nproc} processes; this machine has {cpus} CPU cores "
+        raise LadderError(f"{flag} {nproc} needs {nproc} processes; this machine has {cpus} CPU cores "
                           f"(at most {8 * cpus} ranks can be launched here)")
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise LadderError(f"--tp {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}")
+        raise LadderError(f"{flag} {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}")
 
 
-def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False) -> dict[int, T]:
+def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, flag: str = "--tp") -> dict[int, T]:
     """Run `fn(*args)` on `nproc` ranks and return {rank: result}.
 
     Under torchrun the current process is one rank: `fn` runs once here and the dict has one entry.
     `fn` must be a module-level function (workers are spawned) and sets up its own process group
     with `ladder.distributed.init_distributed()`. `isolate`: run even a single rank in a fresh
     process (clean peak-memory readings, and a crash or out-of-memory kill cannot take us down).
+    `flag`: the option that asked for `nproc` ranks, as errors name it.
     """
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if nproc not in (1, world):
-            raise LadderError(f"--tp {nproc} disagrees with torchrun's WORLD_SIZE={world}")
+            raise LadderError(f"{flag} {nproc} disagrees with torchrun's WORLD_SIZE={world}")
         return {int(os.environ["RANK"]): fn(*args)}
     if nproc == 1 and not isolate:
         return {0: fn(*args)}
-    check_launchable(nproc)
+    check_launchable(nproc, flag)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

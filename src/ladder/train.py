@@ -80,6 +80,17 @@ class TrainConfig:
             raise LadderError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
         if not self.data:
             raise LadderError("no training data: set data to text files, folders or shakespeare:train")
+        for name in ("lr", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches"):
+            if not getattr(self, name) > 0:  # `not >` also refuses nan
+                raise LadderError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise LadderError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.min_lr > self.lr:
+            raise LadderError(f"min_lr {self.min_lr:g} is above lr {self.lr:g}: the schedule decays from lr to min_lr")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise LadderError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 def _coerce(name: str, value: Any, current: Any) -> Any:
@@ -362,6 +373,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> T
     from ladder.distributed import init_distributed, shutdown_distributed
     import torch.distributed as dist
 
+    config.validate()  # configs built in Python skip load_train_config
     ctx = init_distributed(config.device)
     try:
         return _train(config, resume, progress, ctx, dist)
