@@ -211,6 +211,7 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path):
     (["--interconnect", "pcie-no-p2p", "--link-scale", "-2"], "--link-scale must be a positive number, got -2"),
     (["--interconnect", "pcie-no-p2p", "--link-scale", "nan"], "--link-scale must be a positive number, got nan"),
     (["--link-scale", "10"], "--link-scale dilates an emulated link, and --interconnect real has none"),
+    (["--device", "tpu"], "unknown device 'tpu'; use cpu, cuda or auto"),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path):
     out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",

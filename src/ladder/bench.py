@@ -346,8 +346,11 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
     """Every combination, validated up front (unknown names and impossible TP degrees fail at once)."""
     points = [BenchPoint(preset=p, layout=layout, tp=tp, batch_size=b, link=link, **common)
               for p in presets for link in links for tp in tps for b in batch_sizes for layout in layouts]
+    from ladder.distributed import pick_device
     from ladder.launch import check_launchable
 
+    for device in {p.device for p in points}:
+        pick_device(device)  # an unknown device, or CUDA on a machine without it
     if any(p.link_scale != 1 for p in points) and not any(p.emulated for p in points):
         raise LadderError("--link-scale dilates an emulated link, and --interconnect real has none: "
                           "name one, e.g. --interconnect pcie-no-p2p")
