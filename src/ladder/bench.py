@@ -124,12 +124,17 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def dtype_name(point: BenchPoint, device: torch.device) -> str:
+    """--dtype, else bfloat16 on GPU (as the paper's fp16 runs: 2 bytes) and float32 on CPU."""
+    return point.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
 def check_fits(group: Sequence[BenchPoint], device: torch.device) -> None:
     """Refuse a group of configurations (one, or the layouts measured together by --interleave) whose
     models cannot fit on `device`."""
     point = group[0]
     config = point.config()
-    dtype = point.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = dtype_name(point, device)
     procs_per_host = point.tp if not point.emulated and device.type == "cpu" else 1
     weight_sets = len({p.layout == "parallel" for p in group})  # the others share one set (share_weights)
     need = estimate_memory_bytes(config, point.tp, point.batch_size, point.prompt_len + point.gen_len,
@@ -163,9 +168,9 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
         comms = [ctx.communicator()] * len(group)
     try:
         check_fits(group, device)
-        dtype_name = first.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        dtype = dtype_name(first, device)
         configs = [p.config() for p in group]
-        models = _build_models(first, configs, comms, device, getattr(torch, dtype_name))
+        models = _build_models(first, configs, comms, device, getattr(torch, dtype))
         engines = [Engine(model, compile=first.compile) for model in models]
         gen = torch.Generator().manual_seed(first.seed)
         prompt = torch.randint(0, configs[0].vocab_size, (1, first.prompt_len), generator=gen)
@@ -192,7 +197,7 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
             return None
         results = []
         for j, point in enumerate(group):
-            result = _result(point, configs[j], models[j], device, dtype_name, runs[j], comms[j])
+            result = _result(point, configs[j], models[j], device, dtype, runs[j], comms[j])
             if len(group) > 1:
                 result["interleaved"] = {"layouts": [layout_label(p.describe()) for p in group],
                                          "turns": turns[j]}
@@ -255,7 +260,7 @@ def _profile(point: BenchPoint, engine: Any, prompt: torch.Tensor, sampling: Any
 
 
 def _result(point: BenchPoint, config: ModelConfig, model: torch.nn.Module, device: torch.device,
-            dtype_name: str, runs: list, comm: object) -> dict[str, Any]:
+            dtype: str, runs: list, comm: object) -> dict[str, Any]:
     prefill = [r.prefill_s for r in runs]
     decode = [r.decode_s for r in runs]
     latencies = sorted(t for r in runs for t in r.token_latencies_s)
@@ -265,7 +270,7 @@ def _result(point: BenchPoint, config: ModelConfig, model: torch.nn.Module, devi
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_heads = model.shard.n_kv_heads
     mid_len = point.prompt_len + point.gen_len // 2
-    kv_bytes = 2 * config.n_layers * point.batch_size * kv_heads * mid_len * config.head_dim * DTYPE_BYTES[dtype_name]
+    kv_bytes = 2 * config.n_layers * point.batch_size * kv_heads * mid_len * config.head_dim * DTYPE_BYTES[dtype]
     if device.type == "cuda":
         peak, peak_kind = torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
     else:
@@ -278,7 +283,7 @@ def _result(point: BenchPoint, config: ModelConfig, model: torch.nn.Module, devi
         "weights": "random" if point.checkpoint is None else "checkpoint",
         "model": {k: getattr(config, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
                                                   "vocab_size")} | {"n_params": config.n_params()},
-        "dtype": dtype_name,
+        "dtype": dtype,
         # Medians over the measured runs: robust to a run disturbed by the machine (2-core CPUs are noisy).
         "prefill_s": statistics.median(prefill),
         "decode_s": statistics.median(decode),
