@@ -1,6 +1,7 @@
 """The `ladder` command: real subprocesses, real worker processes, one-line errors."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -129,3 +130,53 @@ def test_runs_under_torchrun_with_global_ranks():
     assert len(lines) == 1  # printed by global rank 0 only
     assert lines[0] == generated(run("generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3",
                                      "--max-new-tokens", "8").stdout)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _has_loaded_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig,status,message", [
+    (signal.SIGINT, 130, "ladder: interrupted; the configurations measured before are in "),
+    (signal.SIGTERM, 143, "ladder: stopped by SIGTERM; the configurations measured before are in "),
+])
+def test_a_signal_stops_the_sweep_and_its_workers_in_one_line(sig, status, message, tmp_path):
+    # Ctrl-C goes to the terminal's whole process group; a scheduler's SIGTERM to the command alone.
+    proc = subprocess.Popen([*LADDER, "bench", "--preset", "tiny", "--tp", "2", "--batch-sizes", "1", "--layouts",
+                             "standard,ladder", "--runs", "100000", "--prompt-len", "4", "--gen-len", "4",
+                             "--no-progress", "--out", str(tmp_path / "r.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[int] = []
+        while len(workers) < 2:  # both ranks started and past their imports
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+            workers = [p for p in _children(proc.pid) if _has_loaded_torch(p)]
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == status, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1].startswith(message)
+    time.sleep(1)
+    assert not any(os.path.exists(f"/proc/{p}") and not _is_zombie(p) for p in workers)
+
+
+def _is_zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"

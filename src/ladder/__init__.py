@@ -3,6 +3,16 @@
 Nothing happens at import time: no process group, no compile flags, no downloads.
 """
 
+import os as _os
+import signal as _signal
+
+if _os.environ.get("LADDER_LAUNCHED_WORKER") == "1":
+    # A worker that ladder.launch started (this import comes early in its start-up, before torch's).
+    # Ctrl-C reaches the whole process group: the worker ends at once and silently (the default
+    # action), and the launching process alone reports it, in one line. Python's KeyboardInterrupt
+    # would print a traceback from every worker.
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+
 from ladder.config import LAYOUTS, PRESETS, ModelConfig, get_preset
 from ladder.errors import LadderError
 

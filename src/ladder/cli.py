@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ladder.config import DESYNC_PATTERNS, LAYOUTS, PRESETS
-from ladder.errors import LadderError
+from ladder.errors import LadderError, Stopped
 from ladder.loader import DTYPES, ModelSpec
 from ladder.tokenizer import TextTokenizer
 
@@ -302,8 +303,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if done:
         print(f"  --resume: {len(done)} successful records in {out}; the configurations among them are not "
               "measured again", flush=True)
-    records = run_sweep(points, out, progress=not args.no_progress, rounds=args.rounds, interleave=args.interleave,
-                        done=done)
+    try:
+        records = run_sweep(points, out, progress=not args.no_progress, rounds=args.rounds,
+                            interleave=args.interleave, done=done)
+    except (KeyboardInterrupt, Stopped) as exc:
+        print(f"ladder: {stop_message(exc)}; the configurations measured before are in {out}, and the "
+              "same command with --resume measures only the others", file=sys.stderr)
+        return exit_status(exc)
     if records:
         print(format_summary(summarise(records)))
         failed = sum(r["status"] != "ok" for r in records)
@@ -403,7 +409,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ladder.train import load_train_config
 
     config = load_train_config(args.config, args.overrides)
-    results = launch(train_on_rank, args.nproc, config, args.resume, not args.no_progress, flag="--nproc")
+    results = launch(train_on_rank, args.nproc, config, args.resume, not args.no_progress, flag="--nproc",
+                     workers_catch_interrupt=True)
     result = results.get(0)
     if result:
         eval_text = (f", held-out loss {result['eval_loss']:.4f} (perplexity {math.exp(result['eval_loss']):.2f})"
@@ -538,6 +545,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stop_message(stop: BaseException) -> str:
+    """"interrupted", "interrupted: saved step 40 to ...", "stopped by SIGTERM[: saved step ...]"."""
+    if isinstance(stop, Stopped):
+        return str(stop)
+    return "interrupted" + (f": {stop}" if str(stop) else "")
+
+
+def exit_status(stop: BaseException) -> int:
+    """The shell's convention for a process ended by a signal: 128 + its number (Ctrl-C: 130)."""
+    return 128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] in (["bench", "plot"], ["bench", "summary"], ["train", "plot"]):  # reads better
@@ -549,9 +568,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LadderError as exc:
         print(f"ladder: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("ladder: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Stopped) as exc:
+        print(f"ladder: {stop_message(exc)}", file=sys.stderr)
+        return exit_status(exc)
     except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

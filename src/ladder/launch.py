@@ -7,20 +7,24 @@ When one rank fails, the launcher stops every other rank and `launch` raises a o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import tempfile
+import threading
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from ladder.errors import LadderError
+from ladder.errors import LadderError, Stopped
 
 T = TypeVar("T")
+WORKER_ENV = "LADDER_LAUNCHED_WORKER"  # set for the workers `launch` starts (read in ladder/__init__.py)
 
 
 def under_torchrun() -> bool:
@@ -40,10 +44,14 @@ def _worker(fn: Callable[..., T], error_dir: str, args: tuple[Any, ...]) -> T:
     try:
         return fn(*args)
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
-        message = str(exc) if isinstance(exc, LadderError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, (KeyboardInterrupt, Stopped)):  # the launcher passes the stop on: not again
+            for s in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(s, signal.SIG_IGN)
+        explained = isinstance(exc, (LadderError, KeyboardInterrupt, Stopped))  # (a stop may say what it saved)
+        message = str(exc) if explained else f"{type(exc).__name__}: {exc}"
         Path(error_dir, f"rank{rank}").write_text(message.strip().splitlines()[-1] if message.strip() else
                                                   type(exc).__name__)
-        if not isinstance(exc, LadderError):
+        if not explained:
             traceback.print_exc()
         raise SystemExit(1)
 
@@ -62,14 +70,17 @@ def check_launchable(nproc: int, flag: str = "--tp") -> None:
         raise LadderError(f"{flag} {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}")
 
 
-def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, flag: str = "--tp") -> dict[int, T]:
+def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, flag: str = "--tp",
+           workers_catch_interrupt: bool = False) -> dict[int, T]:
     """Run `fn(*args)` on `nproc` ranks and return {rank: result}.
 
     Under torchrun the current process is one rank: `fn` runs once here and the dict has one entry.
     `fn` must be a module-level function (workers are spawned) and sets up its own process group
     with `ladder.distributed.init_distributed()`. `isolate`: run even a single rank in a fresh
     process (clean peak-memory readings, and a crash or out-of-memory kill cannot take us down).
-    `flag`: the option that asked for `nproc` ranks, as errors name it.
+    `flag`: the option that asked for `nproc` ranks, as errors name it. On Ctrl-C the workers end at
+    once and silently, unless `workers_catch_interrupt`: then `fn` gets KeyboardInterrupt (training
+    saves a checkpoint, and handles SIGTERM too), and what it raises with says what it did.
     """
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -80,18 +91,49 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, 
         return {0: fn(*args)}
     check_launchable(nproc, flag)
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # The launcher's own log lines ("Received 2 death signal, shutting down workers") repeat what
+    # `launch` reports in one line. Each of its modules sets its logger's level, so set them all.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method="spawn")
-    with tempfile.TemporaryDirectory(prefix="ladder-launch-") as error_dir:
+    with (tempfile.TemporaryDirectory(prefix="ladder-launch-") as error_dir,
+          _signals_stop_workers(quietly=not workers_catch_interrupt)):
         try:
             return elastic_launch(config, _worker)(fn, error_dir, args)
         except ChildFailedError as exc:
             raise LadderError(_describe_failure(Path(error_dir), exc)) from None
+        except SignalException as exc:  # the launcher has passed it on to the workers, waited up to 30 s
+            reports = sorted(Path(error_dir).glob("rank*"))
+            said = reports[0].read_text() if reports else ""
+            if exc.sigval == signal.SIGINT:
+                raise KeyboardInterrupt(said) from None
+            raise Stopped(exc.sigval, said.removeprefix(f"stopped by {signal.Signals(exc.sigval).name}: ")) from None
+
+
+@contextlib.contextmanager
+def _signals_stop_workers(quietly: bool) -> Iterator[None]:
+    """While workers run, torch's launcher turns a signal to this process into `SignalException` after
+    stopping them; `quietly`: Ctrl-C ends the workers silently (see ladder/__init__.py). Afterwards
+    this process's own signal handlers come back: the launcher leaves its handlers installed, which
+    would raise that exception anywhere later on (between two configurations of a sweep, say)."""
+    handled = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
+    in_main_thread = threading.current_thread() is threading.main_thread()  # (the launcher checks too)
+    before = {s: signal.getsignal(s) for s in handled} if in_main_thread else {}
+    if quietly:
+        os.environ[WORKER_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(WORKER_ENV, None)
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def _describe_failure(error_dir: Path, exc: Exception) -> str:

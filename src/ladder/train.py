@@ -18,8 +18,11 @@ import math
 import os
 import random
 import shutil
+import signal
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ladder.errors import LadderError
+from ladder.errors import LadderError, Stopped
 
 
 @dataclass
@@ -444,6 +447,7 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
     tokens_per_step = config.batch_size * config.seq_len
     bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps, desc="train",
                disable=not (progress and rank == 0), dynamic_ncols=True)
+    stop = _StopRequest()
     try:
         for step in bar:
             t0 = time.perf_counter()
@@ -464,10 +468,10 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            agreed = torch.stack([loss_sum, torch.tensor(float(stop.signum > 0), device=ctx.device)])
             if world > 1:
-                dist.all_reduce(loss_sum)
-                loss_sum /= world
-            loss_value = float(loss_sum)
+                dist.all_reduce(agreed)  # the mean loss, and whether any rank was asked to stop
+            loss_value, stopping_now = float(agreed[0] / world), bool(agreed[1] > 0)
             if not math.isfinite(loss_value):
                 raise LadderError(f"the loss became {loss_value} at step {step}: lower lr (now {lr:g})")
             losses.append(loss_value)
@@ -483,18 +487,43 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
                 bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if step + 1 < config.steps:  # the last step is saved after the loop
                 stopping = config.stop_at is not None and step + 1 >= config.stop_at
-                if stopping or (step + 1) % config.checkpoint_every == 0:
+                if stopping or stopping_now or (step + 1) % config.checkpoint_every == 0:
                     saved = save_checkpoint(out_dir, step + 1, core, optimizer, config, tokenizer, rank, world)
+                    if stopping_now:
+                        stop.raise_stop(f"saved step {step + 1} to {out_dir / 'checkpoints'}; continue with --resume")
                     if stopping:
                         return TrainResult(losses, saved, eval_loss)
-    except KeyboardInterrupt:
-        done = start_step + len(losses)  # steps whose optimizer update completed
-        save_checkpoint(out_dir, done, core, optimizer, config, tokenizer, rank, world)
-        raise LadderError(f"interrupted: saved step {done} to {out_dir / 'checkpoints'}; continue with --resume") from None
+    finally:
+        stop.restore()
     if eval_loss is None and heldout is not None:  # e.g. resumed a run that had already finished
         eval_loss = evaluate_loss(net, heldout, config, ctx)
     final = save_checkpoint(out_dir, config.steps, core, optimizer, config, tokenizer, rank, world)
     return TrainResult(losses, final, eval_loss)
+
+
+class _StopRequest:
+    """Ctrl-C and SIGTERM (a scheduler's pre-emption) ask training to stop at the end of the current step,
+    where every rank agrees on it and saves the same step: a rank stopped mid-step would leave the
+    others waiting in a collective. Later signals (pressed again, or the launcher passing the first on
+    to its workers) are ignored, so the checkpoint is not cut short."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._request) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _request(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def raise_stop(self, said: str) -> None:
+        if self.signum in (0, signal.SIGINT):
+            raise KeyboardInterrupt(said)
+        raise Stopped(self.signum, said)
 
 
 def _latest_checkpoint(out_dir: Path, model: Any) -> Path:
