@@ -349,15 +349,37 @@ def open_hf(folder: Path) -> Checkpoint:
 
 # ---- writing ---------------------------------------------------------------------------------------
 
+# What a Hugging Face model folder holds; `--force` replaces a folder holding nothing else.
+MODEL_FOLDER_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "README.md"}
+
+
+def check_replaceable(out: Path, force: bool) -> None:
+    """`out` may be new or, with `force`, a model folder: never a file, and never a folder holding
+    anything else (`--out . --force` must not delete the working directory)."""
+    if not out.exists():
+        return
+    if not force:
+        raise LadderError(f"{out} exists; pass --force to replace it")
+    if not out.is_dir():
+        raise LadderError(f"{out} is a file, not a model folder: choose another --out")
+    foreign = sorted(p.name for p in out.iterdir()
+                     if p.name not in MODEL_FOLDER_FILES and not (p.is_file() and p.suffix == ".safetensors"))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise LadderError(f"--force replaces a model folder only, and {out} also holds {shown}: "
+                          "choose another --out, or remove it yourself")
+
+
 def save_hf(out: Path, config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: TextTokenizer | None,
             force: bool = False) -> Path:
     """Write a Hugging Face folder atomically: everything goes to a temporary sibling first, which is
-    renamed into place only when complete. An existing folder is replaced only with `force`."""
+    renamed into place only when complete. An existing model folder is replaced only with `force`."""
     from safetensors.torch import save_file
 
     out = out.expanduser().resolve()
-    if out.exists() and not force:
-        raise LadderError(f"{out} exists; pass --force to replace it")
+    check_replaceable(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

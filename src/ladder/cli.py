@@ -235,7 +235,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 # ---- convert --------------------------------------------------------------------------------------
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ladder.checkpoint import save_hf
+    from ladder.checkpoint import check_replaceable, save_hf
     from ladder.distributed import LocalCommunicator, pick_device
     from ladder.loader import describe, load_model
     from ladder.weights import export_hf_state_dict
@@ -243,9 +243,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     spec = ModelSpec(model=args.src, layout=args.layout, ladder_layers=args.ladder_layers,
                      desync_reduce=args.desync_reduce, device="cpu", dtype="float32")
     spec.validate()
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise LadderError(f"{out} exists; pass --force to replace it")
+    out = Path(args.out).expanduser().resolve()
+    check_replaceable(out, args.force)  # before the minutes of loading
     loaded = load_model(spec, LocalCommunicator(), pick_device("cpu"))
     info(f"ladder: {describe(loaded, spec)}")
     path = save_hf(out, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer, force=args.force)
