@@ -1,6 +1,7 @@
 """The `ladder` command: real subprocesses, real worker processes, one-line errors."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ladder.config import ModelConfig
+from ladder.config import ModelConfig, get_preset
 from ladder.distributed import init_distributed, shutdown_distributed
 from ladder.errors import LadderError
 from ladder.launch import launch
@@ -61,7 +62,8 @@ def test_generate_batch_with_sampling():
 @pytest.mark.parametrize("args,message", [
     (["--preset", "tiny", "--tp", "3"], "n_heads 4 with n_kv_heads 2 cannot be sharded over tensor-parallel degree 3"),
     (["--preset", "llama-3-70b", "--tp", "12"],
-     "n_heads 64 with n_kv_heads 8 cannot be sharded over tensor-parallel degree 12"),
+     "n_heads 64 with n_kv_heads 8 cannot be sharded over tensor-parallel degree 12 "
+     "(this shape shards over tp 1, 2, 4, 7, 8, 16, 32, 64)"),
     (["--preset", "llama-3-70b", "--tp", "3"], "ffn_hidden 28672 is not divisible by tensor-parallel degree 3"),
     (["--preset", "nope"], "unknown preset 'nope'; known presets: tiny"),
     (["--layout", "zigzag"], "unknown layout 'zigzag'; known layouts: standard"),
@@ -92,6 +94,19 @@ def test_kv_heads_divisibility_names_the_numbers():
     with pytest.raises(LadderError, match="ffn_hidden 30 is not divisible by tensor-parallel degree 4"):
         config.replace(n_kv_heads=12, ffn_hidden=30).check_tp(4)
     config.replace(n_kv_heads=1).check_tp(4)  # MQA: the single KV head is replicated
+
+
+def test_the_listed_degrees_are_exactly_those_that_shard():
+    for config in (get_preset("llama-3-70b"), get_preset("smollm2-135m"), get_preset("tiny")):
+        valid = config.valid_tp_degrees()
+        listed = re.escape(f"(this shape shards over tp {', '.join(map(str, valid))})")
+        for tp in range(1, config.n_heads + 2):
+            if tp in valid:
+                config.check_tp(tp)
+            else:
+                with pytest.raises(LadderError, match=listed):
+                    config.check_tp(tp)
+    assert get_preset("smollm2-135m").valid_tp_degrees() == [1, 2, 3]  # 9 heads, 3 KV heads, ffn 1536
 
 
 def _rank1_fails_while_rank0_waits() -> None:

@@ -219,11 +219,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     spec.validate()
     if not Path(args.text).is_file():
         raise LadderError(f"no text file at {args.text}")
-    stride = args.stride or args.window
+    stride = args.window if args.stride is None else args.stride
     if not 0 < stride <= args.window:
         raise LadderError(f"--stride must be between 1 and --window ({args.window}), got {stride}")
-    result = launch(eval_on_rank, spec.tp, EvalRequest(spec, args.text, args.window, stride, args.max_tokens))[0] \
-        if spec.tp > 1 else eval_on_rank(EvalRequest(spec, args.text, args.window, stride, args.max_tokens))
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise LadderError(f"--max-tokens must be >= 2 (a token is scored given the ones before it), got {args.max_tokens}")
+    result = launch(eval_on_rank, spec.tp, EvalRequest(spec, args.text, args.window, stride, args.max_tokens)).get(0)
+    if result is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     if args.json:
         print(json.dumps(result))
     else:

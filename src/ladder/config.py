@@ -135,13 +135,23 @@ class ModelConfig:
         """
         if tp < 1:
             raise LadderError(f"tensor-parallel degree must be >= 1, got {tp}")
-        kv, heads = self.n_kv_heads, self.n_heads
-        if kv % tp and tp > kv and (tp % kv or heads % tp):
-            raise LadderError(
-                f"n_heads {heads} with n_kv_heads {kv} cannot be sharded over tensor-parallel degree {tp}: "
-                f"use a tp that divides {kv}, is smaller than {kv}, or is a multiple of {kv} dividing {heads}")
+        if not self._heads_shard(tp):
+            raise LadderError(f"n_heads {self.n_heads} with n_kv_heads {self.n_kv_heads} cannot be sharded over "
+                              f"tensor-parallel degree {tp} ({self._valid_tp_text()})")
         if self.ffn_hidden % tp:
-            raise LadderError(f"ffn_hidden {self.ffn_hidden} is not divisible by tensor-parallel degree {tp}")
+            raise LadderError(f"ffn_hidden {self.ffn_hidden} is not divisible by tensor-parallel degree {tp} "
+                              f"({self._valid_tp_text()})")
+
+    def _heads_shard(self, tp: int) -> bool:
+        kv = self.n_kv_heads
+        return not (kv % tp and tp > kv and (tp % kv or self.n_heads % tp))
+
+    def valid_tp_degrees(self) -> list[int]:
+        """Every TP degree this shape can be sharded over (none exceeds n_heads)."""
+        return [tp for tp in range(1, self.n_heads + 1) if self._heads_shard(tp) and self.ffn_hidden % tp == 0]
+
+    def _valid_tp_text(self) -> str:
+        return "this shape shards over tp " + ", ".join(map(str, self.valid_tp_degrees()))
 
     def check_run_tp(self, tp: int) -> None:
         """`check_tp`, plus: a trained desync model computes its trained function only at its own TP degree."""

@@ -98,7 +98,7 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, 
     # The launcher's own log lines ("Received 2 death signal, shutting down workers") repeat what
     # `launch` reports in one line. Each of its modules sets its logger's level, so set them all.
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,

@@ -1,0 +1,67 @@
+"""ladder eval: the windows score every token once, the perplexity is transformers' loss, TP 2 = TP 1."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from ladder.checkpoint import open_checkpoint
+from ladder.distributed import LocalCommunicator
+from ladder.evaluate import perplexity, windows
+from ladder.weights import build_model, load_weights
+
+from helpers import CPU, ladder_cli
+
+
+@pytest.mark.parametrize("n_tokens,window,stride", [(2, 2, 1), (10, 4, 3), (10, 4, 1), (100, 16, 7), (17, 512, 512)])
+def test_windows_score_every_token_but_the_first_exactly_once(n_tokens, window, stride):
+    scored = []
+    for begin, end, first in windows(n_tokens, window, stride):
+        assert end - begin <= window and begin < first <= end  # at least one token of context
+        scored += range(first, end)
+    assert scored == list(range(1, n_tokens))
+
+
+def test_perplexity_is_the_exp_of_transformers_loss(tiny_hf):
+    reference, folder, _ = tiny_hf
+    checkpoint = open_checkpoint(str(folder))
+    model = build_model(checkpoint.config, LocalCommunicator(), CPU)
+    load_weights(model, checkpoint.source)
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        loss = float(reference(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
+    whole = perplexity(model.eval(), ids, window=len(ids), progress=False)
+    assert whole["n_scored"] == len(ids) - 1
+    assert whole["nll_per_token"] == pytest.approx(loss, rel=1e-5)
+    assert whole["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+    # Shorter windows give each token less context, so another value, over the same tokens.
+    chunked = perplexity(model, ids, window=16, progress=False)
+    assert chunked["n_scored"] == len(ids) - 1 and chunked["perplexity"] != pytest.approx(whole["perplexity"])
+
+
+def test_eval_command_at_tp_1_and_2_agree(tmp_path):
+    text = tmp_path / "play.txt"
+    text.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 4)
+    args = ["eval", "--model", "smollm2-135m-instruct", "--text", str(text), "--max-tokens", "60", "--window", "32",
+            "--stride", "16", "--json"]
+    tp1, tp2 = ladder_cli(*args), ladder_cli(*args, "--tp", "2")
+    assert tp1.returncode == 0 and tp2.returncode == 0, tp2.stderr[-2000:]
+    one, two = json.loads(tp1.stdout.strip().splitlines()[-1]), json.loads(tp2.stdout.strip().splitlines()[-1])
+    assert one["n_scored"] == two["n_scored"] == 59 and one["stride"] == 16 and two["tp"] == 2
+    assert two["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4)
+    assert 1 < one["perplexity"] < 100  # a real model on English text, not random weights (~49152)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--stride", "0"], "--stride must be between 1 and --window (512), got 0"),
+    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+    (["--text", "/no/such.txt"], "no text file at /no/such.txt"),
+])
+def test_eval_bad_input_is_one_line(args, message, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world")
+    out = ladder_cli("eval", "--preset", "tiny", "--text", str(text), *args)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert message in lines[0]
