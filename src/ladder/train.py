@@ -120,6 +120,19 @@ def _coerce(name: str, value: Any, current: Any) -> Any:
     return value
 
 
+def _toml() -> Any:
+    """The standard library's TOML reader (Python 3.11+), or the same one as the tomli package on 3.10."""
+    try:
+        import tomllib
+        return tomllib
+    except ImportError:
+        try:
+            import tomli
+            return tomli
+        except ImportError:
+            raise LadderError("reading TOML on Python 3.10 needs tomli: pip install tomli (or use YAML)") from None
+
+
 def load_train_config(path: str | None, overrides: list[str]) -> TrainConfig:
     """A config file (YAML or TOML), then `key=value` overrides; unknown keys are errors."""
     values: dict[str, Any] = {}
@@ -127,10 +140,10 @@ def load_train_config(path: str | None, overrides: list[str]) -> TrainConfig:
         p = Path(path)
         if not p.is_file():
             raise LadderError(f"no config file at {path}")
+        toml = _toml() if p.suffix == ".toml" else None  # (outside the try: its error is not a parse error)
         try:
-            if p.suffix == ".toml":
-                import tomllib
-                values = tomllib.loads(p.read_text())
+            if toml is not None:
+                values = toml.loads(p.read_text())
             else:
                 import yaml
                 values = yaml.safe_load(p.read_text()) or {}
