@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,3 +68,16 @@ def test_eval_bad_input_is_one_line(args, message, tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert message in lines[0]
+
+
+def test_eval_under_torchrun_reports_once(tmp_path):
+    text = tmp_path / "play.txt"
+    text.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 4)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = subprocess.run([*torchrun, "-m", "ladder.cli", "eval", "--model", "smollm2-135m-instruct", "--tp", "2",
+                          "--text", str(text), "--max-tokens", "40", "--json"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "LADDER_DIST_TIMEOUT": "120", "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1 and reports[0]["tp"] == 2 and reports[0]["n_scored"] == 39
