@@ -155,6 +155,7 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
     ladder, upper-bound, ladder, upper-bound, standard, ...) so that the machine's drift hits every
     layout alike; warm-up runs of every layout come first."""
     from ladder.distributed import init_distributed, pick_device, shutdown_distributed
+    from ladder.launch import under_torchrun
     from ladder.engine import Engine, SamplingParams, synchronize
 
     first = group[0]
@@ -207,7 +208,9 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
             results.append(result)
         return results
     finally:
-        if not first.emulated:
+        # Under torchrun the group lives for the whole sweep (`run_sweep` ends it): made anew for each
+        # configuration, the second one's set-up hung about one time in two on the first one's leftovers.
+        if not first.emulated and not under_torchrun():
             shutdown_distributed()
 
 
@@ -449,6 +452,9 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
     into time-limited jobs)."""
     from tqdm import tqdm
 
+    from ladder.distributed import shutdown_distributed
+    from ladder.launch import under_torchrun
+
     if rounds < 1:
         raise LadderError(f"--rounds must be at least 1, got {rounds}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -458,32 +464,36 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
     groups = interleaved_groups(points) if interleave else [[p] for p in points]
     bar = tqdm(total=rounds * len(points), desc="bench", unit="config", disable=not (progress and is_main),
                dynamic_ncols=True)
-    for i in range(rounds):
-        for group in groups:
-            keys = [point_key(p.describe(), i) for p in group]
-            if all(k in done for k in keys):
-                records.extend(done[k] for k in keys)
+    try:
+        for i in range(rounds):
+            for group in groups:
+                keys = [point_key(p.describe(), i) for p in group]
+                if all(k in done for k in keys):
+                    records.extend(done[k] for k in keys)
+                    bar.update(len(group))
+                    continue
+                first = group[0]
+                layouts = "+".join(p.layout for p in group)
+                bar.set_postfix_str(f"{first.preset} {layouts} tp={first.tp} bs={first.batch_size} "
+                                    f"{first.interconnect}" + (f" round {i + 1}/{rounds}" if rounds > 1 else ""))
+                for record in run_group(group):
+                    if not is_main:
+                        continue
+                    record["round"] = i
+                    earlier = done.get(point_key(record, i))
+                    if earlier is not None:  # a group measured again for a layout of it that failed
+                        records.append(earlier)
+                        continue
+                    append_jsonl(out, record)
+                    records.append(record)
+                    if record["status"] != "ok":
+                        bar.write(f"failed: {record['layout']} tp={record['tp']} bs={record['batch_size']}: "
+                                  f"{record['error']}")
                 bar.update(len(group))
-                continue
-            first = group[0]
-            layouts = "+".join(p.layout for p in group)
-            bar.set_postfix_str(f"{first.preset} {layouts} tp={first.tp} bs={first.batch_size} "
-                                f"{first.interconnect}" + (f" round {i + 1}/{rounds}" if rounds > 1 else ""))
-            for record in run_group(group):
-                if not is_main:
-                    continue
-                record["round"] = i
-                earlier = done.get(point_key(record, i))
-                if earlier is not None:  # a group measured again for a layout of it that failed
-                    records.append(earlier)
-                    continue
-                append_jsonl(out, record)
-                records.append(record)
-                if record["status"] != "ok":
-                    bar.write(f"failed: {record['layout']} tp={record['tp']} bs={record['batch_size']}: "
-                              f"{record['error']}")
-            bar.update(len(group))
-    bar.close()
+    finally:
+        bar.close()
+        if under_torchrun():
+            shutdown_distributed()  # the one group of the sweep (see bench_on_rank)
     return records
 
 
