@@ -1,4 +1,4 @@
-"""ladder eval: the windows score every token once, the perplexity is transformers' loss, TP 2 = TP 1."""
+"""ladder eval: the windows score every token once, the perplexity is transformers' loss, TP 2 (torchrun) = TP 1."""
 
 import json
 import math
@@ -43,19 +43,6 @@ def test_perplexity_is_the_exp_of_transformers_loss(tiny_hf):
     assert chunked["n_scored"] == len(ids) - 1 and chunked["perplexity"] != pytest.approx(whole["perplexity"])
 
 
-def test_eval_command_at_tp_1_and_2_agree(tmp_path):
-    text = tmp_path / "play.txt"
-    text.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 4)
-    args = ["eval", "--model", "smollm2-135m-instruct", "--text", str(text), "--max-tokens", "60", "--window", "32",
-            "--stride", "16", "--json"]
-    tp1, tp2 = ladder_cli(*args), ladder_cli(*args, "--tp", "2")
-    assert tp1.returncode == 0 and tp2.returncode == 0, tp2.stderr[-2000:]
-    one, two = json.loads(tp1.stdout.strip().splitlines()[-1]), json.loads(tp2.stdout.strip().splitlines()[-1])
-    assert one["n_scored"] == two["n_scored"] == 59 and one["stride"] == 16 and two["tp"] == 2
-    assert two["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4)
-    assert 1 < one["perplexity"] < 100  # a real model on English text, not random weights (~49152)
-
-
 @pytest.mark.parametrize("args,message", [
     (["--stride", "0"], "--stride must be between 1 and --window (512), got 0"),
     (["--max-tokens", "1"], "--max-tokens must be >= 2"),
@@ -70,14 +57,19 @@ def test_eval_bad_input_is_one_line(args, message, tmp_path):
     assert message in lines[0]
 
 
-def test_eval_under_torchrun_reports_once(tmp_path):
+def test_eval_at_tp_2_under_torchrun_equals_tp_1_and_reports_once(tmp_path):
     text = tmp_path / "play.txt"
     text.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 4)
+    args = ["eval", "--model", "smollm2-135m-instruct", "--text", str(text), "--max-tokens", "60", "--window", "32",
+            "--stride", "16", "--json"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = subprocess.run([*torchrun, "-m", "ladder.cli", "eval", "--model", "smollm2-135m-instruct", "--tp", "2",
-                          "--text", str(text), "--max-tokens", "40", "--json"],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "LADDER_DIST_TIMEOUT": "120", "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 1 and reports[0]["tp"] == 2 and reports[0]["n_scored"] == 39
+    tp2 = subprocess.run([*torchrun, "-m", "ladder.cli", *args, "--tp", "2"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "LADDER_DIST_TIMEOUT": "120", "OMP_NUM_THREADS": "1"})
+    tp1 = ladder_cli(*args)
+    assert tp1.returncode == 0 and tp2.returncode == 0, tp2.stderr[-2000:]
+    reports = [json.loads(line) for line in tp2.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1  # printed by global rank 0 only
+    one, two = json.loads(tp1.stdout.strip().splitlines()[-1]), reports[0]
+    assert one["n_scored"] == two["n_scored"] == 59 and one["stride"] == 16 and two["tp"] == 2
+    assert two["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4)
+    assert 1 < one["perplexity"] < 100  # a real model on English text, not random weights (~49152)
