@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +22,28 @@ CPU = torch.device("cpu")
 def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`ladder ARGS...` in a fresh interpreter, output captured."""
     return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def stop_when_ready(args: list[str], ready: Callable[[int], bool], sig: int, timeout: float = 90) -> tuple[int, str]:
+    """Start `ladder ARGS...` in a session of its own, wait until `ready(its pid)`, then send `sig` as a
+    terminal or a scheduler would: Ctrl-C to the whole process group, anything else to the command.
+    Returns its exit status and stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "ladder.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, stderr
 
 
 def tiny(**changes) -> ModelConfig:

@@ -15,6 +15,8 @@ from ladder.distributed import init_distributed, shutdown_distributed
 from ladder.errors import LadderError
 from ladder.launch import launch
 
+from helpers import stop_when_ready
+
 LADDER = [sys.executable, "-m", "ladder.cli"]
 
 
@@ -166,26 +168,17 @@ def _has_loaded_torch(pid: int) -> bool:
 ])
 def test_a_signal_stops_the_sweep_and_its_workers_in_one_line(sig, status, message, tmp_path):
     # Ctrl-C goes to the terminal's whole process group; a scheduler's SIGTERM to the command alone.
-    proc = subprocess.Popen([*LADDER, "bench", "--preset", "tiny", "--tp", "2", "--batch-sizes", "1", "--layouts",
-                             "standard,ladder", "--runs", "100000", "--prompt-len", "4", "--gen-len", "4",
-                             "--no-progress", "--out", str(tmp_path / "r.jsonl")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        workers: list[int] = []
-        while len(workers) < 2:  # both ranks started and past their imports
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.2)
-            workers = [p for p in _children(proc.pid) if _has_loaded_torch(p)]
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == status, stderr
+    workers: list[int] = []
+
+    def both_ranks_past_their_imports(pid: int) -> bool:
+        workers[:] = [p for p in _children(pid) if _has_loaded_torch(p)]
+        return len(workers) >= 2
+
+    returncode, stderr = stop_when_ready(
+        ["bench", "--preset", "tiny", "--tp", "2", "--batch-sizes", "1", "--layouts", "standard,ladder", "--runs",
+         "100000", "--prompt-len", "4", "--gen-len", "4", "--no-progress", "--out", str(tmp_path / "r.jsonl")],
+        both_ranks_past_their_imports, sig, timeout=60)
+    assert returncode == status, stderr
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1].startswith(message)
     time.sleep(1)

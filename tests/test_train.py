@@ -2,12 +2,10 @@
 
 import dataclasses
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -16,6 +14,8 @@ from ladder.corpora import python_docs_text
 from ladder.errors import LadderError
 from ladder.launch import launch
 from ladder.train import TrainConfig, checkpoint_dirs, load_train_config, train
+
+from helpers import stop_when_ready
 
 
 @pytest.fixture(scope="module")
@@ -209,27 +209,15 @@ def test_a_stop_signal_saves_every_rank_and_says_where_in_one_line(sig, status, 
     # Ctrl-C reaches the terminal's whole process group (the launcher and both data-parallel workers);
     # a scheduler's SIGTERM, the launcher alone, which passes it on.
     out_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "ladder.cli", "train", "--nproc", "2", "--no-progress",
-                             "steps=100000", f"out_dir={out_dir}", "checkpoint_every=100000", "eval_every=100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = out_dir / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.2)
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        _, stderr = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == status, stderr
+    returncode, stderr = stop_when_ready(
+        ["train", "--nproc", "2", "--no-progress", "steps=100000", f"out_dir={out_dir}", "checkpoint_every=100000",
+         "eval_every=100000"],
+        lambda pid: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, sig)
+    assert returncode == status, stderr
     assert "Traceback" not in stderr
     said_line = rf"ladder: {said}: saved step (\d+) to {re.escape(str(out_dir))}/checkpoints; continue with --resume"
-    matches = [m for m in map(lambda line: re.fullmatch(said_line, line), stderr.splitlines()) if m]
+    matches = [m for m in (re.fullmatch(said_line, line) for line in stderr.splitlines()) if m]
     assert len(matches) == 1, stderr
     step = int(matches[0].group(1))
     assert step >= 3 and [p.name for p in checkpoint_dirs(out_dir)] == [f"step-{step:06d}"]

@@ -12,5 +12,5 @@ class Stopped(BaseException):
     command stops, as with KeyboardInterrupt (a BaseException, so no `except Exception` goes on)."""
 
     def __init__(self, signum: int, said: str = "") -> None:
-        self.signum, self.said = signum, said  # said: what the stopped work did about it (saved a checkpoint)
+        self.signum = signum  # `said`: what the stopped work did about it (saved a checkpoint)
         super().__init__(f"stopped by {signal.Signals(signum).name}" + (f": {said}" if said else ""))
