@@ -128,6 +128,20 @@ def test_a_failing_rank_stops_every_rank_without_hanging():
     assert time.monotonic() - start < 50  # well before the 60 s process-group timeout
 
 
+def _environment_of_rank() -> tuple[str | None, str | None, str]:
+    return os.environ.get("LADDER_TEST_SETTING"), os.environ.get("LADDER_TEST_GONE"), os.environ["RANK"]
+
+
+def test_workers_see_the_environment_of_each_launch(monkeypatch):
+    # Workers fork from a server started at the first launch; later launches must not see its environment.
+    monkeypatch.setenv("LADDER_TEST_GONE", "1")
+    monkeypatch.setenv("LADDER_TEST_SETTING", "first")
+    assert launch(_environment_of_rank, 2) == {0: ("first", "1", "0"), 1: ("first", "1", "1")}
+    monkeypatch.delenv("LADDER_TEST_GONE")
+    monkeypatch.setenv("LADDER_TEST_SETTING", "second")  # e.g. NCCL_P2P_DISABLE set between two sweeps
+    assert launch(_environment_of_rank, 2) == {0: ("second", None, "0"), 1: ("second", None, "1")}
+
+
 def test_compiled_decode_at_tp2_equals_eager():
     args = ["generate", "--preset", "tiny", "--layout", "ladder", "--ladder-layers", "3", "--tp", "2",
             "--prompt-ids", "5,6,7", "--max-new-tokens", "6"]
@@ -149,9 +163,13 @@ def test_runs_under_torchrun_with_global_ranks():
                                      "--max-new-tokens", "8").stdout)
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+def _descendants(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except FileNotFoundError:  # ended meanwhile
+        return []
+    return children + [d for c in children for d in _descendants(c)]
 
 
 def _has_loaded_torch(pid: int) -> bool:
@@ -170,9 +188,9 @@ def test_a_signal_stops_the_sweep_and_its_workers_in_one_line(sig, status, messa
     # Ctrl-C goes to the terminal's whole process group; a scheduler's SIGTERM to the command alone.
     workers: list[int] = []
 
-    def both_ranks_past_their_imports(pid: int) -> bool:
-        workers[:] = [p for p in _children(pid) if _has_loaded_torch(p)]
-        return len(workers) >= 2
+    def both_ranks_past_their_imports(pid: int) -> bool:  # (workers are forked by a fork server: grandchildren)
+        workers[:] = [p for p in _descendants(pid) if _has_loaded_torch(p)]
+        return len(workers) >= 3  # the fork server and the two ranks
 
     returncode, stderr = stop_when_ready(
         ["bench", "--preset", "tiny", "--tp", "2", "--batch-sizes", "1", "--layouts", "standard,ladder", "--runs",
