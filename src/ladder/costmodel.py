@@ -22,6 +22,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from importlib import resources
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -79,55 +80,76 @@ def _t(x: float | torch.Tensor) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
 
 
+LAYOUTS = ("standard", "parallel", "upper-bound", "ladder")
+
+
 def predict_seconds(w: Workload, layout: str, gpu: GPU, link: LinkModel, k: dict[str, torch.Tensor]
                     ) -> torch.Tensor:
     """Predicted prefill + decode time (s) of one generation. `k`: the constants as tensors."""
-    c, tp, b, by = w.config, w.tp, w.batch_size, w.dtype_bytes
+    return predict_seconds_of([w], [layout], gpu, [link], k)[0]
+
+
+def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gpu: GPU, links: Sequence[LinkModel],
+                       k: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`predict_seconds` of many generations of one model shape at once, as a tensor: the fit
+    evaluates all its rows in each step (one row at a time, fitting took 30 s)."""
+    for layout in layouts:
+        if layout not in LAYOUTS:
+            raise LadderError(f"the cost model knows standard, parallel, ladder and upper-bound, not {layout!r}")
+    c, by = workloads[0].config, workloads[0].dtype_bytes
+    if any(w.config != c or w.dtype_bytes != by for w in workloads):
+        raise ValueError("predict_seconds_of takes workloads of one model shape and dtype")
+
+    def column(values: Iterable[float]) -> torch.Tensor:
+        return torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+    tp, b = column(w.tp for w in workloads), column(w.batch_size for w in workloads)
+    prompt_len, gen_len = column(w.prompt_len for w in workloads), column(w.gen_len for w in workloads)
+    # the link is fixed (not fitted): its durations are numbers per row
+    prefill_all_reduce = column(link.all_reduce_s(w.batch_size * w.prompt_len * c.dim * by, w.tp)
+                                for w, link in zip(workloads, links, strict=True))
+    decode_all_reduce = column(link.all_reduce_s(w.batch_size * c.dim * by, w.tp)
+                               for w, link in zip(workloads, links, strict=True))
     hd = c.head_dim
-    heads, kv = c.n_heads / tp, max(1.0, c.n_kv_heads / tp)
+    heads, kv = c.n_heads / tp, torch.clamp(c.n_kv_heads / tp, min=1.0)
     attn_params = (c.dim * (heads + 2 * kv) * hd + heads * hd * c.dim)
     mlp_params = 3 * c.dim * c.ffn_hidden / tp
     head_params = c.vocab_size * c.dim  # replicated output head
     mem_bw = k["mem_efficiency"] * gpu.hbm_bytes_per_s
     flops = k["flop_efficiency"] * gpu.bf16_flops_per_s
     module_s, step_s = k["module_overhead_us"] * 1e-6, k["step_overhead_us"] * 1e-6
+    rho = torch.clamp(k["overlap_penalty"] + k["overlap_penalty_growth"] * torch.log2(b), max=1.0)
+    chosen = torch.tensor([LAYOUTS.index(layout) for layout in layouts])[None]
 
     def roof(n_bytes, n_flops):
         return torch.maximum(_t(n_bytes) / mem_bw, _t(n_flops) / flops) + module_s
 
-    def all_reduce(n_tokens):
-        return _t(link.all_reduce_s(n_tokens * c.dim * by, tp))
+    def combine(c_attn, c_mlp, a):  # each row's layout
+        def hidden(cj, aj):
+            return torch.maximum(cj, aj) + rho * torch.minimum(cj, aj)
 
-    def combine(c_attn, c_mlp, a):
-        rho = torch.clamp(k["overlap_penalty"] + k["overlap_penalty_growth"] * math.log2(b), max=1.0)
         L = c.n_layers
-        if layout == "standard":
-            return L * (c_attn + c_mlp + 2 * a)
-        if layout == "parallel":
-            return L * (c_attn + c_mlp + a)
-        if layout == "upper-bound":
-            return L * (c_attn + c_mlp)
-        if layout == "ladder":
-            def hidden(cj, aj):
-                return torch.maximum(cj, aj) + rho * torch.minimum(cj, aj)
-            return L * (hidden(c_attn, a) + hidden(c_mlp, a)) + a  # only the last all-reduce is exposed
-        raise LadderError(f"the cost model knows standard, parallel, ladder and upper-bound, not {layout!r}")
+        by_layout = {"standard": L * (c_attn + c_mlp + 2 * a),
+                     "parallel": L * (c_attn + c_mlp + a),
+                     "upper-bound": L * (c_attn + c_mlp),
+                     "ladder": L * (hidden(c_attn, a) + hidden(c_mlp, a)) + a}  # only the last all-reduce is exposed
+        return torch.stack([by_layout[name].expand(len(layouts)) for name in LAYOUTS]).gather(0, chosen)[0]
 
     # prefill: b * P tokens at once (compute-bound), causal attention over P
-    n = b * w.prompt_len
-    pre_attn = roof(by * attn_params, 2 * n * attn_params + 2 * b * heads * w.prompt_len ** 2 * hd)
+    n = b * prompt_len
+    pre_attn = roof(by * attn_params, 2 * n * attn_params + 2 * b * heads * prompt_len ** 2 * hd)
     pre_mlp = roof(by * mlp_params, 2 * n * mlp_params)
-    prefill = combine(pre_attn, pre_mlp, all_reduce(n)) + roof(by * head_params, 2 * n * head_params)
+    prefill = combine(pre_attn, pre_mlp, prefill_all_reduce) + roof(by * head_params, 2 * n * head_params)
 
     # decode: one token per sequence. Like gpt-fast, the engine attends over the whole static cache
     # (prompt + gen positions, masked), so every step reads all of it.
-    cache_len = w.prompt_len + w.gen_len
+    cache_len = prompt_len + gen_len
     kv_bytes = 2 * by * b * kv * cache_len * hd  # K and V of this rank's heads
     kv_s = kv_bytes / (k["attention_efficiency"] * gpu.hbm_bytes_per_s)
     dec_attn = roof(by * attn_params, 2 * b * attn_params) + kv_s
     dec_mlp = roof(by * mlp_params, 2 * b * mlp_params)
-    step = combine(dec_attn, dec_mlp, all_reduce(b)) + roof(by * head_params, 2 * b * head_params) + step_s
-    return prefill + w.gen_len * step
+    step = combine(dec_attn, dec_mlp, decode_all_reduce) + roof(by * head_params, 2 * b * head_params) + step_s
+    return prefill + gen_len * step
 
 
 def predict_tokens_per_s(w: Workload, layout: str, gpu: GPU, link: LinkModel,
@@ -195,12 +217,15 @@ def fit(rows: list[dict[str, Any]], gpu: GPU = GPUS["h100"], steps: int = 600) -
         return out
 
     targets = torch.tensor([math.log(r["tokens_per_s"]) for r in rows], dtype=torch.float64)
+    workloads, layouts = [_row_workload(r) for r in rows], [r["layout"] for r in rows]
+    links = [link_presets()[P2P_LINKS[r["p2p"]]] for r in rows]
+    tokens = torch.tensor([r["batch_size"] * r["gen_len"] for r in rows], dtype=torch.float64)
     optimizer = torch.optim.Adam(raw.values(), lr=0.05)
     for _ in range(steps):
         optimizer.zero_grad()
         k = constants()
-        preds = torch.stack([torch.log(r["batch_size"] * r["gen_len"] / predict_seconds(
-            _row_workload(r), r["layout"], gpu, link_presets()[P2P_LINKS[r["p2p"]]], k)) for r in rows])
+        seconds = predict_seconds_of(workloads, layouts, gpu, links, k)
+        preds = torch.log(tokens / seconds)
         loss = ((preds - targets) ** 2).mean()
         loss.backward()
         optimizer.step()
@@ -211,7 +236,7 @@ FITTED_FILE = "data/costmodel-fit.json"
 
 
 def fit_on_paper() -> CostConstants:
-    """Fit the constants on the training part of the paper's table (batch sizes 1 and 64). ~30 s."""
+    """Fit the constants on the training part of the paper's table (batch sizes 1 and 64). ~4 s."""
     return fit([r for r in paper_table() if r["batch_size"] in TRAIN_BATCHES])
 
 
