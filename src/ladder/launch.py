@@ -31,7 +31,7 @@ from ladder.errors import LadderError, Stopped
 T = TypeVar("T")
 WORKER_ENV = "LADDER_LAUNCHED_WORKER"  # set for the workers `launch` starts (read in ladder/__init__.py)
 # What a fork server imports once for all its workers: the heavy part of every worker's start-up.
-# (torch._dynamo: building a model under `with torch.device(...)` imports it, 2.5 s on a small CPU.)
+# (torch._dynamo: functional collectives and custom ops import it at their first call, 2.5 s on a small CPU.)
 FORK_SERVER_PRELOAD = ["ladder", "torch", "torch.distributed", "torch._dynamo", "ladder.launch", "ladder.model",
                        "ladder.engine", "ladder.bench", "ladder.train"]
 # This module's environment when it was imported: in a fork server's worker, the fork server's (see

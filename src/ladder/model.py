@@ -197,12 +197,17 @@ class Transformer(nn.Module):
             from ladder.errors import LadderError
             raise LadderError(f"vocab_size {config.vocab_size} is not divisible by tensor-parallel degree {tp}")
         self.shard = ShardShape.of(config, rank, tp, self.shard_vocab)
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # Built on meta, filled later (ladder.weights). Given its storage, nn.Embedding skips its normal_
+        # initialiser: on meta, torch runs it through a Python reference whose first use imports
+        # torch._dynamo, 2-3 s of every command's start-up.
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim,
+                                           _weight=torch.empty(config.vocab_size, config.dim))
         self.layers = nn.ModuleList(Block(config, self.shard) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, self.shard.vocab_size, bias=False)
         self.tie_weights()
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        # computed once materialised (`reset_buffers`): arange on meta would import torch._dynamo too
+        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
         self.max_batch = self.max_seq = 0
 
     def tie_weights(self) -> None:
