@@ -24,6 +24,24 @@ def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs (TP workers are forked by a fork server: grandchildren)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except FileNotFoundError:  # ended meanwhile
+        return []
+    return children + [d for c in children for d in descendants(c)]
+
+
+def has_loaded_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except FileNotFoundError:
+        return False
+
+
 def stop_when_ready(args: list[str], ready: Callable[[int], bool], sig: int, timeout: float = 90) -> tuple[int, str]:
     """Start `ladder ARGS...` in a session of its own, wait until `ready(its pid)`, then send `sig` as a
     terminal or a scheduler would: Ctrl-C to the whole process group, anything else to the command.

@@ -15,7 +15,7 @@ from ladder.distributed import init_distributed, shutdown_distributed
 from ladder.errors import LadderError
 from ladder.launch import launch
 
-from helpers import stop_when_ready
+from helpers import descendants, has_loaded_torch, stop_when_ready
 
 LADDER = [sys.executable, "-m", "ladder.cli"]
 
@@ -163,23 +163,6 @@ def test_runs_under_torchrun_with_global_ranks():
                                      "--max-new-tokens", "8").stdout)
 
 
-def _descendants(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(p) for p in f.read().split()]
-    except FileNotFoundError:  # ended meanwhile
-        return []
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _has_loaded_torch(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return "libtorch" in f.read()
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("sig,status,message", [
     (signal.SIGINT, 130, "ladder: interrupted; the configurations measured before are in "),
     (signal.SIGTERM, 143, "ladder: stopped by SIGTERM; the configurations measured before are in "),
@@ -188,14 +171,14 @@ def test_a_signal_stops_the_sweep_and_its_workers_in_one_line(sig, status, messa
     # Ctrl-C goes to the terminal's whole process group; a scheduler's SIGTERM to the command alone.
     workers: list[int] = []
 
-    def both_ranks_past_their_imports(pid: int) -> bool:  # (workers are forked by a fork server: grandchildren)
-        workers[:] = [p for p in _descendants(pid) if _has_loaded_torch(p)]
+    def both_ranks_started(pid: int) -> bool:
+        workers[:] = [p for p in descendants(pid) if has_loaded_torch(p)]
         return len(workers) >= 3  # the fork server and the two ranks
 
     returncode, stderr = stop_when_ready(
         ["bench", "--preset", "tiny", "--tp", "2", "--batch-sizes", "1", "--layouts", "standard,ladder", "--runs",
          "100000", "--prompt-len", "4", "--gen-len", "4", "--no-progress", "--out", str(tmp_path / "r.jsonl")],
-        both_ranks_past_their_imports, sig, timeout=60)
+        both_ranks_started, sig, timeout=60)
     assert returncode == status, stderr
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1].startswith(message)

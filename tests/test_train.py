@@ -15,7 +15,7 @@ from ladder.errors import LadderError
 from ladder.launch import launch
 from ladder.train import TrainConfig, checkpoint_dirs, load_train_config, train
 
-from helpers import stop_when_ready
+from helpers import descendants, has_loaded_torch, stop_when_ready
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +221,12 @@ def test_a_stop_signal_saves_every_rank_and_says_where_in_one_line(sig, status, 
     assert len(matches) == 1, stderr
     step = int(matches[0].group(1))
     assert step >= 3 and [p.name for p in checkpoint_dirs(out_dir)] == [f"step-{step:06d}"]
+
+
+def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
+    # Before training can catch a stop, the fork server and the workers spend seconds importing torch.
+    returncode, stderr = stop_when_ready(
+        ["train", "--nproc", "2", "--no-progress", "steps=100000", f"out_dir={tmp_path / 'run'}"],
+        lambda pid: any(has_loaded_torch(p) for p in descendants(pid)), signal.SIGINT)
+    assert returncode == 130 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1].startswith("ladder: interrupted"), stderr

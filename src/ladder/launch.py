@@ -29,7 +29,9 @@ import torch
 from ladder.errors import LadderError, Stopped
 
 T = TypeVar("T")
-WORKER_ENV = "LADDER_LAUNCHED_WORKER"  # set for the workers `launch` starts (read in ladder/__init__.py)
+# Set for the processes `launch` starts, the fork server included: Ctrl-C ends them silently while
+# they import (read in ladder/__init__.py); each worker then sets its own handling (`_worker`).
+WORKER_ENV = "LADDER_LAUNCHED_WORKER"
 # What a fork server imports once for all its workers: the heavy part of every worker's start-up.
 # (torch._dynamo: functional collectives and custom ops import it at their first call, 2.5 s on a small CPU.)
 FORK_SERVER_PRELOAD = ["ladder", "torch", "torch.distributed", "torch._dynamo", "ladder.launch", "ladder.model",
@@ -136,7 +138,7 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, 
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method=_start_method())
     with (tempfile.TemporaryDirectory(prefix="ladder-launch-") as error_dir,
-          _signals_stop_workers(quietly=not workers_catch_interrupt)):
+          _signals_stop_workers()):
         try:
             return elastic_launch(config, _worker)(fn, error_dir, not workers_catch_interrupt, dict(os.environ), args)
         except ChildFailedError as exc:
@@ -150,16 +152,15 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, 
 
 
 @contextlib.contextmanager
-def _signals_stop_workers(quietly: bool) -> Iterator[None]:
+def _signals_stop_workers() -> Iterator[None]:
     """While workers run, torch's launcher turns a signal to this process into `SignalException` after
-    stopping them; `quietly`: Ctrl-C ends the workers silently (see ladder/__init__.py). Afterwards
+    stopping them, and Ctrl-C ends processes still importing silently (see WORKER_ENV). Afterwards
     this process's own signal handlers come back: the launcher leaves its handlers installed, which
     would raise that exception anywhere later on (between two configurations of a sweep, say)."""
     handled = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
     in_main_thread = threading.current_thread() is threading.main_thread()  # (the launcher checks too)
     before = {s: signal.getsignal(s) for s in handled} if in_main_thread else {}
-    if quietly:
-        os.environ[WORKER_ENV] = "1"
+    os.environ[WORKER_ENV] = "1"
     try:
         yield
     finally:
