@@ -1,9 +1,9 @@
 """Run a function on N tensor-parallel workers: under torchrun as is, or by starting N local
 processes with torch's own elastic launcher (what `torchrun --standalone` does).
 
-Local workers are forked from a fork server that has imported torch once (where the platform has
-one; spawned otherwise): a fresh worker then starts in about 0.1 s rather than the 2-3 s a new
-interpreter takes to import torch, which a sweep pays for every configuration.
+CPU workers are forked from a fork server that has imported torch once (where the platform has one):
+a fresh worker then starts in about 0.1 s rather than the 2-3 s a new interpreter takes to import
+torch, which a sweep pays for every configuration. GPU workers are spawned.
 
 When one rank fails, the launcher stops every other rank and `launch` raises a one-line
 `LadderError` naming the failed rank and its error; nothing hangs.
@@ -53,7 +53,9 @@ def _set_cpu_threads(local_world_size: int) -> None:
 
 
 def _start_method() -> str:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    # On a GPU machine, spawn: a fork server's imports might initialise the CUDA driver, which its
+    # forked workers then could not use, and a GPU worker's start-up is dominated by CUDA anyway.
+    if "forkserver" not in multiprocessing.get_all_start_methods() or torch.cuda.is_available():
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(FORK_SERVER_PRELOAD)  # (once started: no-op)
     return "forkserver"
