@@ -111,7 +111,7 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, 
     """Run `fn(*args)` on `nproc` ranks and return {rank: result}.
 
     Under torchrun the current process is one rank: `fn` runs once here and the dict has one entry.
-    `fn` must be a module-level function (workers are spawned) and sets up its own process group
+    `fn` must be a module-level function (it is pickled to the workers) and sets up its own process group
     with `ladder.distributed.init_distributed()`. `isolate`: run even a single rank in a fresh
     process (clean peak-memory readings, and a crash or out-of-memory kill cannot take us down).
     `flag`: the option that asked for `nproc` ranks, as errors name it. On Ctrl-C the workers end at
