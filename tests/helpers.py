@@ -24,6 +24,13 @@ def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def torchrun_ladder(*args: str, dist_timeout_s: int = 60, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node 2 -m ladder.cli ARGS...`, output captured."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return subprocess.run([*torchrun, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "LADDER_DIST_TIMEOUT": str(dist_timeout_s), "OMP_NUM_THREADS": "1"})
+
+
 def descendants(pid: int) -> list[int]:
     """The processes `pid` started, and theirs (TP workers are forked by a fork server: grandchildren)."""
     try:

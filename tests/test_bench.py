@@ -1,9 +1,6 @@
 """ladder bench: a short real + emulated sweep, the emulated link's timing, failures kept in the file."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,7 +10,7 @@ from ladder.bench import BenchPoint, measured_already, read_results, run_sweep, 
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
 
-from helpers import ladder_cli
+from helpers import ladder_cli, torchrun_ladder
 
 REQUIRED = {"layout", "preset", "model", "tp", "batch_size", "prompt_len", "gen_len", "interconnect", "emulated",
             "env", "prefill_s", "decode_s", "tokens_per_s", "decode_token_latency_ms", "peak_memory_bytes",
@@ -303,12 +300,9 @@ def test_compiled_decode_waits_at_run_time_and_keeps_the_ladder_overlap(tmp_path
 def test_sweep_under_torchrun_keeps_one_group_for_every_configuration(tmp_path):
     # Made anew for each configuration, the process group's set-up hung about one time in two.
     out = tmp_path / "r.jsonl"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run([*torchrun, "-m", "ladder.cli", "bench", "--preset", "tiny", "--tp", "2", "--batch-sizes",
-                             "1,2", "--layouts", "standard,ladder,upper-bound", "--runs", "1", "--prompt-len", "4",
-                             "--gen-len", "2", "--no-progress", "--out", str(out)],
-                            capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "LADDER_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"})
+    result = torchrun_ladder("bench", "--preset", "tiny", "--tp", "2", "--batch-sizes", "1,2", "--layouts",
+                             "standard,ladder,upper-bound", "--runs", "1", "--prompt-len", "4", "--gen-len", "2",
+                             "--no-progress", "--out", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
     records = read_results(out)  # written by global rank 0 only: one line per configuration
     assert [(r["layout"], r["batch_size"], r["status"]) for r in records] == [

@@ -15,7 +15,7 @@ from ladder.distributed import init_distributed, shutdown_distributed
 from ladder.errors import LadderError
 from ladder.launch import launch
 
-from helpers import descendants, has_loaded_torch, stop_when_ready
+from helpers import descendants, has_loaded_torch, stop_when_ready, torchrun_ladder
 
 LADDER = [sys.executable, "-m", "ladder.cli"]
 
@@ -154,11 +154,8 @@ def test_compiled_decode_at_tp2_equals_eager():
 
 
 def test_runs_under_torchrun_with_global_ranks():
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    args = ["-m", "ladder.cli", "generate", "--preset", "tiny", "--layout", "ladder", "--tp", "2",
-            "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
-    out = subprocess.run([*torchrun, *args], capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "LADDER_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"})
+    out = torchrun_ladder("generate", "--preset", "tiny", "--layout", "ladder", "--tp", "2", "--prompt-ids", "1,2,3",
+                          "--max-new-tokens", "8", timeout=180)
     assert out.returncode == 0, out.stderr[-6000:]  # (torchrun's own summary alone takes the last 2000)
     lines = [line for line in out.stdout.splitlines() if line.startswith("generated")]
     assert len(lines) == 1  # printed by global rank 0 only

@@ -2,9 +2,6 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ from ladder.distributed import LocalCommunicator
 from ladder.evaluate import perplexity, windows
 from ladder.weights import build_model, load_weights
 
-from helpers import CPU, ladder_cli
+from helpers import CPU, ladder_cli, torchrun_ladder
 
 
 @pytest.mark.parametrize("n_tokens,window,stride", [(2, 2, 1), (10, 4, 3), (10, 4, 1), (100, 16, 7), (17, 512, 512)])
@@ -62,9 +59,7 @@ def test_eval_at_tp_2_under_torchrun_equals_tp_1_and_reports_once(tmp_path):
     text.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 4)
     args = ["eval", "--model", "smollm2-135m-instruct", "--text", str(text), "--max-tokens", "60", "--window", "32",
             "--stride", "16", "--json"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    tp2 = subprocess.run([*torchrun, "-m", "ladder.cli", *args, "--tp", "2"], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "LADDER_DIST_TIMEOUT": "120", "OMP_NUM_THREADS": "1"})
+    tp2 = torchrun_ladder(*args, "--tp", "2", dist_timeout_s=120)
     tp1 = ladder_cli(*args)
     assert tp1.returncode == 0 and tp2.returncode == 0, tp2.stderr[-2000:]
     reports = [json.loads(line) for line in tp2.stdout.splitlines() if line.startswith("{")]

@@ -20,9 +20,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -80,7 +80,7 @@ def _t(x: float | torch.Tensor) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
 
 
-LAYOUTS = ("standard", "parallel", "upper-bound", "ladder")
+MODELLED_LAYOUTS = ("standard", "parallel", "upper-bound", "ladder")  # (desync and hybrid: not modelled)
 
 
 def predict_seconds(w: Workload, layout: str, gpu: GPU, link: LinkModel, k: dict[str, torch.Tensor]
@@ -94,7 +94,7 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     """`predict_seconds` of many generations of one model shape at once, as a tensor: the fit
     evaluates all its rows in each step (one row at a time, fitting took 30 s)."""
     for layout in layouts:
-        if layout not in LAYOUTS:
+        if layout not in MODELLED_LAYOUTS:
             raise LadderError(f"the cost model knows standard, parallel, ladder and upper-bound, not {layout!r}")
     c, by = workloads[0].config, workloads[0].dtype_bytes
     if any(w.config != c or w.dtype_bytes != by for w in workloads):
@@ -119,7 +119,7 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     flops = k["flop_efficiency"] * gpu.bf16_flops_per_s
     module_s, step_s = k["module_overhead_us"] * 1e-6, k["step_overhead_us"] * 1e-6
     rho = torch.clamp(k["overlap_penalty"] + k["overlap_penalty_growth"] * torch.log2(b), max=1.0)
-    chosen = torch.tensor([LAYOUTS.index(layout) for layout in layouts])[None]
+    chosen = torch.tensor([MODELLED_LAYOUTS.index(layout) for layout in layouts])[None]
 
     def roof(n_bytes, n_flops):
         return torch.maximum(_t(n_bytes) / mem_bw, _t(n_flops) / flops) + module_s
@@ -133,7 +133,7 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
                      "parallel": L * (c_attn + c_mlp + a),
                      "upper-bound": L * (c_attn + c_mlp),
                      "ladder": L * (hidden(c_attn, a) + hidden(c_mlp, a)) + a}  # only the last all-reduce is exposed
-        return torch.stack([by_layout[name].expand(len(layouts)) for name in LAYOUTS]).gather(0, chosen)[0]
+        return torch.stack([by_layout[name].expand(len(layouts)) for name in MODELLED_LAYOUTS]).gather(0, chosen)[0]
 
     # prefill: b * P tokens at once (compute-bound), causal attention over P
     n = b * prompt_len
