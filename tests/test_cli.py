@@ -1,5 +1,6 @@
 """The `ladder` command: real subprocesses, real worker processes, one-line errors."""
 
+import dataclasses
 import os
 import re
 import signal
@@ -10,10 +11,12 @@ import time
 import pytest
 import torch.distributed as dist
 
+from ladder.cli import build_parser, main
 from ladder.config import ModelConfig, get_preset
 from ladder.distributed import init_distributed, shutdown_distributed
 from ladder.errors import LadderError
 from ladder.launch import launch
+from ladder.train import TrainConfig, load_train_config
 
 from helpers import descendants, has_loaded_torch, stop_when_ready, torchrun_ladder
 
@@ -85,6 +88,29 @@ def test_bad_input_is_one_line_and_nonzero(args, message):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ladder: error: "), out.stderr
     assert message in lines[0]
+
+
+def help_of(command: str, capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # unwrapped
+
+
+def test_help_says_every_default_that_a_command_would_use(capsys):
+    parser = build_parser()
+    for command in ("generate", "eval", "bench", "predict", "train"):
+        used = vars(parser.parse_args([command] + (["--text", "t.txt"] if command == "eval" else [])))
+        text = help_of(command, capsys)
+        for option, value in used.items():
+            if value is not None and value is not False and option not in ("func", "command", "overrides", "text"):
+                assert f"(default: {value})" in text or f"default: {value}" in text, (command, option, value)
+    assert "--seed SEED seed of the random weights (default: 0)" in help_of("bench", capsys)
+
+
+def test_train_help_lists_every_setting_with_the_value_it_takes(capsys):
+    listed = help_of("train", capsys).split("and their defaults: ")[1].rstrip(".").split(", ")
+    assert [item.split("=")[0] for item in listed] == [f.name for f in dataclasses.fields(TrainConfig)]
+    assert load_train_config(None, listed) == TrainConfig()  # the listed values, given back, are the defaults
 
 
 def test_kv_heads_divisibility_names_the_numbers():

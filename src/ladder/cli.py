@@ -19,6 +19,7 @@ from ladder.config import DESYNC_PATTERNS, LAYOUTS, PRESETS
 from ladder.errors import LadderError, Stopped
 from ladder.loader import DTYPES, ModelSpec
 from ladder.tokenizer import TextTokenizer
+from ladder.train import settings_help
 
 # The default `ladder bench` is the README's run command: a few minutes on a 2-core CPU.
 BENCH_DEFAULTS = {"preset": "llama-160m", "layouts": "standard,parallel,ladder,upper-bound", "tp": "2",
@@ -45,7 +46,7 @@ def add_model_options(p: argparse.ArgumentParser, tp_flag: bool = True) -> None:
     g.add_argument("--desync-reduce", choices=DESYNC_PATTERNS, help="which modules desync all-reduces")
     if tp_flag:
         g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (starts N local workers)")
-    g.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or auto")
     g.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--shard-vocab", action="store_true", help="shard the output head's vocabulary")
     g.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
@@ -443,10 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", metavar="TEXT", help="plain text to continue")
     g.add_argument("--prompt-ids", action="append", metavar="IDS",
                    help="comma-separated prompt token ids; repeat for a batch of equal-length prompts")
-    g.add_argument("--max-new-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
+    g.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per sequence")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    g.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
+    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probability reaches p")
     g.add_argument("--stop-ids", help="comma-separated ids that end a sequence")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
     g.set_defaults(func=cmd_generate)
@@ -478,8 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ladder-layers", type=int, metavar="N", help="for the ladder layout: ladder on the last N layers")
     b.add_argument("--tp", default=BENCH_DEFAULTS["tp"], help="comma-separated TP degrees")
     b.add_argument("--batch-sizes", default=BENCH_DEFAULTS["batch_sizes"], help="comma-separated batch sizes")
-    b.add_argument("--prompt-len", type=int, default=BENCH_DEFAULTS["prompt_len"])
-    b.add_argument("--gen-len", type=int, default=BENCH_DEFAULTS["gen_len"])
+    b.add_argument("--prompt-len", type=int, default=BENCH_DEFAULTS["prompt_len"],
+                   help="prompt tokens per sequence, 1024 in the paper")
+    b.add_argument("--gen-len", type=int, default=BENCH_DEFAULTS["gen_len"],
+                   help="new tokens per sequence, 512 in the paper")
     b.add_argument("--warmup", type=int, default=BENCH_DEFAULTS["warmup"], help="warm-up runs (excluded)")
     b.add_argument("--runs", type=int, default=BENCH_DEFAULTS["runs"], help="measured runs")
     b.add_argument("--rounds", type=int, default=1,
@@ -494,57 +497,70 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--link-bandwidth-gbps", type=float, help="custom link: bus bandwidth (GB/s)")
     b.add_argument("--link-scale", type=float, default=BENCH_DEFAULTS["link_scale"],
                    help="multiply emulated link times (keep a GPU's compute:communication ratio on a slower device)")
-    b.add_argument("--device", default="auto")
-    b.add_argument("--dtype", choices=list(DTYPES))
+    b.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    b.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     b.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on GPU)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     b.add_argument("--out", default=BENCH_DEFAULTS["out"], help="JSON-lines results file (appended)")
     b.add_argument("--resume", action="store_true",
                    help="skip configurations (and rounds) already measured successfully in --out")
     b.add_argument("--profile", metavar="DIR", help="also write a profiler trace (Chrome JSON) of one short extra "
                                                      "run per configuration, and read the overlap back from it")
     b.add_argument("--profile-tokens", type=int, default=8, help="new tokens of the profiled run")
-    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
 
     pr = sub.add_parser("predict", help="predict tokens/s per layout from a roofline + link cost model")
-    pr.add_argument("--preset", default="llama-3-70b")
+    pr.add_argument("--preset", default="llama-3-70b", help=f"model shape, one of: {', '.join(PRESETS)}")
     pr.add_argument("--gpu", default="h100", help="h100, h200 or a100")
-    pr.add_argument("--interconnect", default="nvlink-h100")
-    pr.add_argument("--link-latency-us", type=float)
-    pr.add_argument("--link-bandwidth-gbps", type=float)
-    pr.add_argument("--tp", type=int, default=8)
-    pr.add_argument("--batch-sizes", default="1,4,16,64")
-    pr.add_argument("--layouts", default="standard,parallel,ladder,upper-bound")
-    pr.add_argument("--prompt-len", type=int, default=1024)
-    pr.add_argument("--gen-len", type=int, default=512)
+    pr.add_argument("--interconnect", default="nvlink-h100",
+                    help="nvlink-h100, pcie-p2p, pcie-no-p2p, infiniband-ndr or custom")
+    pr.add_argument("--link-latency-us", type=float, help="custom link: latency per all-reduce (us)")
+    pr.add_argument("--link-bandwidth-gbps", type=float, help="custom link: bus bandwidth (GB/s)")
+    pr.add_argument("--tp", type=int, default=8, help="tensor-parallel degree")
+    pr.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated batch sizes")
+    pr.add_argument("--layouts", default="standard,parallel,ladder,upper-bound", help="comma-separated layouts")
+    pr.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence")
+    pr.add_argument("--gen-len", type=int, default=512, help="new tokens per sequence")
     pr.add_argument("--json", action="store_true", help="one JSON line per prediction")
     pr.add_argument("--validate", action="store_true", help="compare with the paper's held-out table points")
     pr.set_defaults(func=cmd_predict)
 
-    t = sub.add_parser("train", help="pretrain from a preset or adapt a checkpoint (see also: ladder train plot)")
+    t = sub.add_parser("train", help="pretrain from a preset or adapt a checkpoint (see also: ladder train plot)",
+                       epilog=settings_help())
     t.add_argument("--config", help="a YAML or TOML file of train settings")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings that override the file")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
     t.add_argument("--nproc", type=int, default=1, help="data-parallel workers to start on this machine")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
 
     tp_ = sub.add_parser("train-plot", help="loss curves of runs on one picture (also: ladder train plot RUN...)")
     tp_.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl)")
-    tp_.add_argument("--out", default="loss.png")
+    tp_.add_argument("--out", default="loss.png", help="the picture to write")
     tp_.set_defaults(func=cmd_train_plot)
 
     bs = sub.add_parser("bench-summary", help="the speedup table of a results file (also: ladder bench summary FILE)")
     bs.add_argument("results")
-    bs.add_argument("--markdown", action="store_true")
+    bs.add_argument("--markdown", action="store_true", help="a Markdown table")
     bs.set_defaults(func=cmd_bench_summary)
 
     bp = sub.add_parser("bench-plot", help="draw the pictures of a results file (also: ladder bench plot FILE)")
     bp.add_argument("results", help="a results .jsonl file written by ladder bench")
     bp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: beside the results)")
     bp.set_defaults(func=cmd_bench_plot)
+    for command in sub.choices.values():
+        say_defaults(command)
     return parser
+
+
+def say_defaults(parser: argparse.ArgumentParser) -> None:
+    """Make --help name every option's default (argparse prints none, and none for options without help)."""
+    for action in parser._actions:
+        text = action.help or ""
+        no_default = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not no_default and "default" not in text:
+            action.help = f"{text} (default: %(default)s)".lstrip()
 
 
 def stop_message(stop: BaseException) -> str:

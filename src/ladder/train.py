@@ -96,6 +96,18 @@ class TrainConfig:
                 raise LadderError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
+def settings_help() -> str:
+    """`ladder train --help`'s list of the settings, each as an override with its default value."""
+    def spelled(value: Any) -> str:  # as it would be written on the command line
+        if isinstance(value, list):
+            return ",".join(value)
+        return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    defaults = TrainConfig()
+    return "settings (KEY=VALUE, or keys of the --config file) and their defaults: " + ", ".join(
+        f"{f.name}={spelled(getattr(defaults, f.name))}" for f in dataclasses.fields(TrainConfig)) + "."
+
+
 def _coerce(name: str, value: Any, current: Any) -> Any:
     kind = {f.name: f.type for f in dataclasses.fields(TrainConfig)}[name]
     if isinstance(value, str) and "list" in str(kind):
