@@ -4,6 +4,7 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -187,6 +188,29 @@ def test_runs_under_torchrun_with_global_ranks():
     assert len(lines) == 1  # printed by global rank 0 only
     assert lines[0] == generated(run("generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3",
                                      "--max-new-tokens", "8").stdout)
+
+
+def test_runs_on_two_nodes_under_torchrun():
+    """Two torchrun agents, one rank each, as on two machines: every rank is LOCAL_RANK 0, so anything
+    keyed on the local rank instead of the global one (sharding, who prints) shows here."""
+    port = free_port()
+    tp1 = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
+    args = [*tp1, "--tp", "2"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "ladder.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "LADDER_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"})
+             for node in (0, 1)]
+    (out0, err0), (out1, err1) = (node.communicate(timeout=180) for node in nodes)
+    assert [node.returncode for node in nodes] == [0, 0], err0[-3000:] + err1[-3000:]
+    assert out1 == ""  # only global rank 0 prints
+    assert generated(out0) == generated(run(*tp1).stdout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("sig,status,message", [
