@@ -6,11 +6,12 @@ import time
 import pytest
 import torch
 
+from ladder import bench
 from ladder.bench import BenchPoint, measured_already, read_results, run_sweep, summarise, sweep_points
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
 
-from helpers import ladder_cli, torchrun_ladder
+from helpers import ladder_cli, torchrun_ladder, torchrun_on_two_nodes
 
 REQUIRED = {"layout", "preset", "model", "tp", "batch_size", "prompt_len", "gen_len", "interconnect", "emulated",
             "env", "prefill_s", "decode_s", "tokens_per_s", "decode_token_latency_ms", "peak_memory_bytes",
@@ -181,7 +182,7 @@ def test_failed_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert len(read_results(out)) == 3  # earlier results kept, both new ones appended
 
 
-def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path):
+def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, monkeypatch):
     out = tmp_path / "r.jsonl"
     link = LinkModel("test", latency_us=100.0, bandwidth_gbps=1.0)
     common = dict(tp=2, batch_size=1, prompt_len=4, gen_len=2, link=link, runs=1)
@@ -190,7 +191,10 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path):
     first = run_sweep(points[:1] + [too_big], out, progress=False)
     with out.open("a") as f:
         f.write('{"schema": 1, "status": "ok", "layout": "lad')  # a record cut short by a killed run
+    measured, run_group = [], bench.run_group
+    monkeypatch.setattr(bench, "run_group", lambda group: measured.extend(group) or run_group(group))
     again = run_sweep(points, out, progress=False, done=measured_already(out))
+    assert [(p.preset, p.layout) for p in measured] == [("tiny", "ladder"), ("llama-3.1-405b", "ladder")]
     assert [r["layout"] for r in again] == ["standard", "ladder", "ladder"]
     assert again[0] == first[0]  # read back, not measured again
     assert [r["status"] for r in again] == ["ok", "ok", "failed"]  # a failure is tried again
@@ -307,3 +311,38 @@ def test_sweep_under_torchrun_keeps_one_group_for_every_configuration(tmp_path):
     records = read_results(out)  # written by global rank 0 only: one line per configuration
     assert [(r["layout"], r["batch_size"], r["status"]) for r in records] == [
         (layout, b, "ok") for b in (1, 2) for layout in ("standard", "ladder", "upper-bound")]
+
+
+TWO_NODE_SWEEP = ["bench", "--preset", "tiny", "--tp", "2", "--batch-sizes", "1,2", "--layouts", "standard,ladder",
+                  "--runs", "1", "--prompt-len", "4", "--gen-len", "2", "--no-progress", "--out", "r.jsonl"]
+
+
+def test_two_nodes_resume_from_rank_0s_results_file(tmp_path):
+    """Only node 0 has the file (`--out` is a path on each machine): node 1 must skip what node 0 skips,
+    or the ranks pair the collectives of different configurations."""
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir(), node1.mkdir()
+    whole = ladder_cli(*TWO_NODE_SWEEP[:-1], str(node0 / "r.jsonl"))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    first = read_results(node0 / "r.jsonl")[0]
+    (node0 / "r.jsonl").write_text(json.dumps(first) + "\n")  # as if stopped after the first configuration
+    (status0, out0, err0), (status1, out1, err1) = torchrun_on_two_nodes([[*TWO_NODE_SWEEP, "--resume"]] * 2,
+                                                                         [node0, node1])
+    assert (status0, status1) == (0, 0), err0[-3000:] + err1[-3000:]
+    assert "3 configurations measured, 0 failed, 1 from earlier runs" in out0 and out1 == ""
+    records = read_results(node0 / "r.jsonl")
+    assert [(r["layout"], r["batch_size"]) for r in records] == [("standard", 1), ("ladder", 1), ("standard", 2),
+                                                                 ("ladder", 2)]
+    assert not (node1 / "r.jsonl").exists()  # rank 0 writes the results
+
+
+def test_two_nodes_started_with_different_commands_stop_with_one_line_each(tmp_path):
+    other = [*TWO_NODE_SWEEP]
+    other[other.index("--gen-len") + 1] = "3"
+    nodes = torchrun_on_two_nodes([TWO_NODE_SWEEP, other], [tmp_path, tmp_path])
+    for rank, (status, _, err) in enumerate(nodes):
+        assert status != 0
+        said = [line for line in err.splitlines() if line.startswith("ladder:")]
+        assert said == [f"ladder: error: rank {1 - rank} and rank {rank} are about to measure different "
+                        "configurations (they differ in gen_len): start every node with the same command"], err
+    assert not (tmp_path / "r.jsonl").exists()

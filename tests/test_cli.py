@@ -4,7 +4,6 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from ladder.errors import LadderError
 from ladder.launch import launch
 from ladder.train import TrainConfig, load_train_config
 
-from helpers import descendants, has_loaded_torch, stop_when_ready, torchrun_ladder
+from helpers import descendants, has_loaded_torch, stop_when_ready, torchrun_ladder, torchrun_on_two_nodes
 
 LADDER = [sys.executable, "-m", "ladder.cli"]
 
@@ -191,26 +190,13 @@ def test_runs_under_torchrun_with_global_ranks():
 
 
 def test_runs_on_two_nodes_under_torchrun():
-    """Two torchrun agents, one rank each, as on two machines: every rank is LOCAL_RANK 0, so anything
-    keyed on the local rank instead of the global one (sharding, who prints) shows here."""
-    port = free_port()
+    """Every rank is LOCAL_RANK 0: anything keyed on the local rank instead of the global one (sharding,
+    who prints) shows here."""
     tp1 = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
-    args = [*tp1, "--tp", "2"]
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "-m", "ladder.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "LADDER_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"})
-             for node in (0, 1)]
-    (out0, err0), (out1, err1) = (node.communicate(timeout=180) for node in nodes)
-    assert [node.returncode for node in nodes] == [0, 0], err0[-3000:] + err1[-3000:]
+    (status0, out0, err0), (status1, out1, err1) = torchrun_on_two_nodes([[*tp1, "--tp", "2"]] * 2)
+    assert (status0, status1) == (0, 0), err0[-3000:] + err1[-3000:]
     assert out1 == ""  # only global rank 0 prints
     assert generated(out0) == generated(run(*tp1).stdout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("sig,status,message", [

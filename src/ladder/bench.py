@@ -72,6 +72,13 @@ class BenchPoint:
     def emulated(self) -> bool:
         return self.link is not None
 
+    def with_dtype_resolved(self) -> BenchPoint:
+        """The point with the dtype it will run in (the default depends on the device), as its results
+        record it: `--resume` compares points with records."""
+        from ladder.distributed import pick_device
+
+        return dataclasses.replace(self, dtype=dtype_name(self, pick_device(self.device)))
+
     @property
     def interconnect(self) -> str:
         return self.link.name if self.link else "real"
@@ -167,6 +174,8 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
         ctx = init_distributed(first.device)
         device, rank = ctx.device, ctx.rank
         comms = [ctx.communicator()] * len(group)
+        if under_torchrun():
+            check_ranks_agree(group)
     try:
         check_fits(group, device)
         dtype = dtype_name(first, device)
@@ -212,6 +221,41 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
         # configuration, the second one's set-up hung about one time in two on the first one's leftovers.
         if not first.emulated and not under_torchrun():
             shutdown_distributed()
+
+
+class RanksDisagree(LadderError):
+    """Ranks started by torchrun were about to measure different configurations: the sweep stops."""
+
+
+def check_ranks_agree(group: Sequence[BenchPoint]) -> None:
+    """Under torchrun every node runs its own command line. Ranks given different options would pair
+    the collectives of different configurations and time nonsense without any error, so they compare
+    what they are about to measure first."""
+    import torch.distributed as dist
+
+    mine = [p.describe() for p in group]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != mine:
+            differ = sorted({k for a, b in zip(theirs, mine) for k in a if a[k] != b.get(k)}) or ["layouts"]
+            raise RanksDisagree(f"rank {rank} and rank {dist.get_rank()} are about to measure different "
+                                f"configurations (they differ in {', '.join(differ)}): start every node with "
+                                "the same command")
+
+
+def agree_on_measured_already(done: dict[str, dict[str, Any]], points: Sequence[BenchPoint]
+                              ) -> dict[str, dict[str, Any]]:
+    """Under torchrun, rank 0's `--resume` records for every rank: the others read the file on their own
+    machines (absent, or another run's), so they would skip other configurations than rank 0 does."""
+    import torch.distributed as dist
+
+    from ladder.distributed import init_distributed
+
+    init_distributed(points[0].device)
+    box = [done]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _rotated(items: range, shift: int) -> list[int]:
@@ -392,6 +436,8 @@ def run_group(group: Sequence[BenchPoint]) -> list[dict[str, Any]]:
             results = bench_on_rank(group)  # every rank measures its own copy; rank 0 reports
         else:
             results = launch(bench_on_rank, nproc, group, isolate=True).get(0)
+    except RanksDisagree:
+        raise  # every configuration after this one would be mismatched too
     except LadderError as exc:
         return [{"schema": SCHEMA_VERSION, "status": "failed", "error": str(exc), **p.describe()} for p in group]
     return results or []  # nothing on a non-zero rank under torchrun
@@ -458,6 +504,7 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
     if rounds < 1:
         raise LadderError(f"--rounds must be at least 1, got {rounds}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    points = [p.with_dtype_resolved() for p in points]
     is_main = int(os.environ.get("RANK", "0")) == 0
     done = done or {}
     records = []
@@ -465,6 +512,8 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
     bar = tqdm(total=rounds * len(points), desc="bench", unit="config", disable=not (progress and is_main),
                dynamic_ncols=True)
     try:
+        if under_torchrun() and any(not p.emulated for p in points):
+            done = agree_on_measured_already(done, points)
         for i in range(rounds):
             for group in groups:
                 keys = [point_key(p.describe(), i) for p in group]

@@ -272,6 +272,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ladder.bench import format_summary, measured_already, point_key, run_sweep, summarise, sweep_points
+    from ladder.distributed import print_rank0
     from ladder.interconnect import get_link
 
     links = [get_link(name, args.link_latency_us, args.link_bandwidth_gbps)
@@ -291,41 +292,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
         link_scale=args.link_scale, ladder_layers=args.ladder_layers, checkpoint=args.model,
         profile_dir=args.profile, profile_tokens=args.profile_tokens)
     out = Path(args.out)
+    # (Under torchrun every rank runs this command: print_rank0, so that rank 0 speaks for all.)
     weights = "random weights" if args.model is None else f"weights of {args.model}"
-    print(f"ladder bench: {len(points)} configurations, {weights}, prompt {args.prompt_len}, "
-          f"{args.gen_len} new tokens, {args.warmup} warm-up + {args.runs} measured runs each"
-          + (f", {args.rounds} rounds" if args.rounds > 1 else "")
-          + (", layouts interleaved run by run" if args.interleave else "") + f" -> {out}",
-          flush=True)
+    print_rank0(f"ladder bench: {len(points)} configurations, {weights}, prompt {args.prompt_len}, "
+                f"{args.gen_len} new tokens, {args.warmup} warm-up + {args.runs} measured runs each"
+                + (f", {args.rounds} rounds" if args.rounds > 1 else "")
+                + (", layouts interleaved run by run" if args.interleave else "") + f" -> {out}")
     for link in links:
         if link is not None:
-            print(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us per rank "
-                  f"beyond 2) + ring bytes / {link.bandwidth_gbps:.1f} GB/s, times x{args.link_scale:g}; {link.source}",
-                  flush=True)
+            print_rank0(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us "
+                        f"per rank beyond 2) + ring bytes / {link.bandwidth_gbps:.1f} GB/s, "
+                        f"times x{args.link_scale:g}; {link.source}")
     done = measured_already(out) if args.resume else {}
     if done:
-        print(f"  --resume: {len(done)} successful records in {out}; the configurations among them are not "
-              "measured again", flush=True)
+        print_rank0(f"  --resume: {len(done)} successful records in {out}; the configurations among them are "
+                    "not measured again")
     try:
         records = run_sweep(points, out, progress=not args.no_progress, rounds=args.rounds,
                             interleave=args.interleave, done=done)
     except (KeyboardInterrupt, Stopped) as exc:
-        print(f"ladder: {stop_message(exc)}; the configurations measured before are in {out}, and the "
-              "same command with --resume measures only the others", file=sys.stderr)
+        print_rank0(f"ladder: {stop_message(exc)}; the configurations measured before are in {out}, and the "
+                    "same command with --resume measures only the others", file=sys.stderr)
         return exit_status(exc)
     if records:
-        print(format_summary(summarise(records)))
+        print_rank0(format_summary(summarise(records)))
         failed = sum(r["status"] != "ok" for r in records)
         reused = sum(point_key(r, r.get("round", 0)) in done for r in records)
         measured = len(records) - failed - reused
-        print(f"{measured} configurations measured, {failed} failed" + (f", {reused} from earlier runs" if reused else "")
-              + (f"; results appended to {out}" if measured + failed else f"; nothing new appended to {out}"))
+        print_rank0(f"{measured} configurations measured, {failed} failed"
+                    + (f", {reused} from earlier runs" if reused else "")
+                    + (f"; results appended to {out}" if measured + failed else f"; nothing new appended to {out}"))
         for r in records:
             if r.get("trace"):
                 overlap = (r["trace"]["link"] or {}).get("overlap_fraction")
                 shown = f"compute ran during {overlap:.2f} of the communication" if overlap is not None else \
                     "no communication visible to the profiler"
-                print(f"trace {r['trace']['path']}: {shown}")
+                print_rank0(f"trace {r['trace']['path']}: {shown}")
         if failed == len(records):
             return 1  # nothing measured: let scripts notice
     return 0
