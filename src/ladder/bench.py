@@ -174,7 +174,7 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
         ctx = init_distributed(first.device)
         device, rank = ctx.device, ctx.rank
         comms = [ctx.communicator()] * len(group)
-        if under_torchrun():
+        if ctx.world_size > 1 and under_torchrun():
             check_ranks_agree(group)
     try:
         check_fits(group, device)
