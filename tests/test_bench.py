@@ -346,3 +346,15 @@ def test_two_nodes_started_with_different_commands_stop_with_one_line_each(tmp_p
         assert said == [f"ladder: error: rank {1 - rank} and rank {rank} are about to measure different "
                         "configurations (they differ in gen_len): start every node with the same command"], err
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_under_torchrun_a_real_link_runs_at_the_world_size_only(tmp_path):
+    # Before, --tp 1 under a 2-rank torchrun ran sharded over both ranks and was recorded as TP 1.
+    result = torchrun_ladder("bench", "--preset", "tiny", "--tp", "1,2", "--batch-sizes", "1", "--layouts", "standard",
+                             "--runs", "1", "--prompt-len", "4", "--gen-len", "2", "--no-progress",
+                             "--out", str(tmp_path / "r.jsonl"))
+    assert result.returncode != 0
+    said = {line for line in result.stderr.splitlines() if line.startswith("ladder:")}
+    assert said == {"ladder: error: under torchrun (WORLD_SIZE=2) the real interconnect runs at --tp 2 only, not 1; "
+                    "an emulated link (--interconnect NAME) runs any --tp on each rank"}, result.stderr[-3000:]
+    assert not (tmp_path / "r.jsonl").exists()

@@ -399,8 +399,15 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
     points = [BenchPoint(preset=p, layout=layout, tp=tp, batch_size=b, link=link, **common)
               for p in presets for link in links for tp in tps for b in batch_sizes for layout in layouts]
     from ladder.distributed import pick_device
-    from ladder.launch import check_launchable
+    from ladder.launch import check_launchable, under_torchrun
 
+    if under_torchrun():  # the ranks are torchrun's: a real link runs at exactly that many
+        world = int(os.environ["WORLD_SIZE"])
+        other = sorted({p.tp for p in points if not p.emulated and p.tp != world})
+        if other:
+            raise LadderError(f"under torchrun (WORLD_SIZE={world}) the real interconnect runs at --tp {world} only, "
+                              f"not {', '.join(map(str, other))}; an emulated link (--interconnect NAME) runs any "
+                              "--tp on each rank")
     for device in {p.device for p in points}:
         pick_device(device)  # an unknown device, or CUDA on a machine without it
     if any(p.link_scale != 1 for p in points) and not any(p.emulated for p in points):
