@@ -199,6 +199,16 @@ def test_runs_on_two_nodes_under_torchrun():
     assert generated(out0) == generated(run(*tp1).stdout)
 
 
+def test_two_nodes_given_different_prompts_stop_with_one_line_each():
+    args = ["generate", "--preset", "tiny", "--tp", "2", "--max-new-tokens", "8", "--prompt-ids"]
+    nodes = torchrun_on_two_nodes([[*args, "1,2,3"], [*args, "1,2,4"]])
+    for rank, (status, _, err) in enumerate(nodes):
+        assert status != 0
+        assert [line for line in err.splitlines() if line.startswith("ladder:")] == [
+            f"ladder: error: rank {1 - rank} and rank {rank} have different options or prompt tokens: start every "
+            "node with the same command and the same files"], err[-3000:]
+
+
 @pytest.mark.parametrize("sig,status,message", [
     (signal.SIGINT, 130, "ladder: interrupted; the configurations measured before are in "),
     (signal.SIGTERM, 143, "ladder: stopped by SIGTERM; the configurations measured before are in "),

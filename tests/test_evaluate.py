@@ -11,7 +11,7 @@ from ladder.distributed import LocalCommunicator
 from ladder.evaluate import perplexity, windows
 from ladder.weights import build_model, load_weights
 
-from helpers import CPU, ladder_cli, torchrun_ladder
+from helpers import CPU, ladder_cli, torchrun_ladder, torchrun_on_two_nodes
 
 
 @pytest.mark.parametrize("n_tokens,window,stride", [(2, 2, 1), (10, 4, 3), (10, 4, 1), (100, 16, 7), (17, 512, 512)])
@@ -68,3 +68,17 @@ def test_eval_at_tp_2_under_torchrun_equals_tp_1_and_reports_once(tmp_path):
     assert one["n_scored"] == two["n_scored"] == 59 and one["stride"] == 16 and two["tp"] == 2
     assert two["perplexity"] == pytest.approx(one["perplexity"], rel=1e-4)
     assert 1 < one["perplexity"] < 100  # a real model on English text, not random weights (~49152)
+
+
+def test_two_nodes_reading_different_texts_stop_with_one_line_each(tmp_path):
+    """`--text` names a file on each machine: two different files would be scored as one."""
+    for node, words in enumerate(["To be, or not to be", "Now is the winter of our discontent"]):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "play.txt").write_text(words * 4)
+    args = ["eval", "--model", "smollm2-135m-instruct", "--text", "play.txt", "--max-tokens", "20", "--tp", "2"]
+    nodes = torchrun_on_two_nodes([args, args], [tmp_path / "node0", tmp_path / "node1"])
+    for rank, (status, _, err) in enumerate(nodes):
+        assert status != 0
+        assert [line for line in err.splitlines() if line.startswith("ladder: error")] == [
+            f"ladder: error: rank {1 - rank} and rank {rank} have different options or tokens of --text: start every "
+            "node with the same command and the same files"], err[-3000:]

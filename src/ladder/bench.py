@@ -228,20 +228,20 @@ class RanksDisagree(LadderError):
 
 
 def check_ranks_agree(group: Sequence[BenchPoint]) -> None:
-    """Under torchrun every node runs its own command line. Ranks given different options would pair
-    the collectives of different configurations and time nonsense without any error, so they compare
-    what they are about to measure first."""
+    """Ranks given different options (under torchrun each node has its own command line) would time
+    the collectives of different configurations paired: they compare what they are about to measure."""
     import torch.distributed as dist
 
+    from ladder.distributed import rank_that_disagrees
+
     mine = [p.describe() for p in group]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for rank, theirs in enumerate(everyone):
-        if theirs != mine:
-            differ = sorted({k for a, b in zip(theirs, mine) for k in a if a[k] != b.get(k)}) or ["layouts"]
-            raise RanksDisagree(f"rank {rank} and rank {dist.get_rank()} are about to measure different "
-                                f"configurations (they differ in {', '.join(differ)}): start every node with "
-                                "the same command")
+    other = rank_that_disagrees(mine)
+    if other is not None:
+        rank, theirs = other
+        differ = sorted({k for a, b in zip(theirs, mine) for k in a if a[k] != b.get(k)}) or ["layouts"]
+        raise RanksDisagree(f"rank {rank} and rank {dist.get_rank()} are about to measure different "
+                            f"configurations (they differ in {', '.join(differ)}): start every node with "
+                            "the same command")
 
 
 def agree_on_measured_already(done: dict[str, dict[str, Any]], points: Sequence[BenchPoint]

@@ -6,6 +6,7 @@ Every user error is a `LadderError`, printed as one line (`ladder: error: ...`) 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import signal
 import sys
@@ -104,7 +105,7 @@ def _prompt_tensor(req: GenerateRequest, tokenizer: TextTokenizer | None, vocab:
 
 def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
     """One rank's share of `ladder generate` (runs in each worker process)."""
-    from ladder.distributed import init_distributed, print_rank0, shutdown_distributed
+    from ladder.distributed import check_ranks_agree, init_distributed, print_rank0, shutdown_distributed
     from ladder.engine import Engine, SamplingParams
     from ladder.loader import describe, load_model
     from ladder.tokenizer import StreamDecoder
@@ -114,6 +115,7 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
         loaded = load_model(req.model, ctx.communicator(), ctx.device)
         tokenizer = loaded.tokenizer
         prompt = _prompt_tensor(req, tokenizer, loaded.model.config.vocab_size)
+        check_ranks_agree((req, prompt.tolist()), "options or prompt tokens")
         info(f"ladder: {describe(loaded, req.model)}")
         if loaded.random_weights:
             info("ladder: weights are RANDOM: the generated ids are not meaningful text")
@@ -189,7 +191,7 @@ class EvalRequest:
 
 
 def eval_on_rank(req: EvalRequest) -> dict:
-    from ladder.distributed import init_distributed, shutdown_distributed
+    from ladder.distributed import check_ranks_agree, init_distributed, shutdown_distributed
     from ladder.evaluate import perplexity
     from ladder.loader import describe, load_model
 
@@ -203,6 +205,8 @@ def eval_on_rank(req: EvalRequest) -> dict:
         ids = loaded.tokenizer.encode(text)
         if req.max_tokens:
             ids = ids[: req.max_tokens]
+        check_ranks_agree((req, hashlib.sha256(torch.tensor(ids).numpy().tobytes()).hexdigest()),
+                          "options or tokens of --text")
         result = perplexity(loaded.model, ids, req.window, req.stride, progress=ctx.is_main)
         result.update(model=req.model.label, text=req.text_file, layout=loaded.model.config.layout_name,
                       ladder_layers=loaded.model.config.n_ladder_layers, tp=ctx.world_size)
