@@ -4,6 +4,7 @@ import dataclasses
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from ladder.errors import LadderError
 from ladder.launch import launch
 from ladder.train import TrainConfig, checkpoint_dirs, load_train_config, train
 
-from helpers import descendants, has_loaded_torch, stop_when_ready
+from helpers import descendants, has_loaded_torch, stop_when_ready, torchrun_on_two_nodes
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +231,18 @@ def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
         lambda pid: any(has_loaded_torch(p) for p in descendants(pid)), signal.SIGINT)
     assert returncode == 130 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1].startswith("ladder: interrupted"), stderr
+
+
+def test_two_nodes_without_a_shared_out_dir_stop_before_training(tmp_path):
+    """Each rank writes its optimizer state into out_dir: on two machines without a shared folder the
+    first checkpoint failed (a traceback) after training up to it."""
+    args = ["train", "steps=6", "checkpoint_every=3", "out_dir=run", "--no-progress"]
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+    nodes = torchrun_on_two_nodes([args, args], [tmp_path / "node0", tmp_path / "node1"])
+    for status, _, err in nodes:
+        assert status != 0
+        assert [line for line in err.splitlines() if line.startswith("ladder:")] == [
+            f"ladder: error: out_dir run is not one folder for every rank: rank 1 (on {socket.gethostname()}) does "
+            "not see what rank 0 wrote there; put it on a filesystem every node shares"], err[-3000:]
+    assert list((tmp_path / "node0" / "run").iterdir()) == []  # no step ran; the check left nothing behind

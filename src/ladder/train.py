@@ -308,6 +308,40 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
     return final
 
 
+def check_out_dir_is_shared(out_dir: Path, rank: int, world: int) -> None:
+    """Every rank writes its part of each checkpoint into out_dir, and reads it back on --resume: on
+    several machines out_dir must be one folder they all share. Found out before training starts, not
+    at the first checkpoint, hours in."""
+    if world == 1:
+        return
+    import socket
+    import uuid
+
+    import torch.distributed as dist
+
+    name = [f".ladder-shared-{uuid.uuid4().hex}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    marker = out_dir / name[0]
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text(name[0])
+    dist.barrier()
+    try:
+        sees = marker.read_text() == name[0]
+    except OSError:
+        sees = False
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (sees, socket.gethostname()))
+    dist.barrier()
+    if rank == 0:
+        marker.unlink()
+    blind = next((r for r, (saw, _) in enumerate(everyone) if not saw), None)
+    if blind is not None:
+        raise LadderError(f"out_dir {out_dir} is not one folder for every rank: rank {blind} (on "
+                          f"{everyone[blind][1]}) does not see what rank 0 wrote there; put it on a filesystem "
+                          "every node shares")
+
+
 def _barrier(world: int) -> None:
     if world > 1:
         import torch.distributed as dist
@@ -418,6 +452,7 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
         raise LadderError(f"batch_size {config.batch_size} must be a multiple of world size {world} x "
                           f"micro_batch_size {config.micro_batch_size}")
     accumulation = config.batch_size // (world * config.micro_batch_size)
+    check_out_dir_is_shared(out_dir, rank, world)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     model, tokenizer = _build(config, ctx.device)
