@@ -199,6 +199,16 @@ def test_settings_out_of_range_are_refused_before_training(override, message):
         load_train_config(None, [override])
 
 
+def test_settings_may_come_before_and_after_options(capsys):
+    from ladder.cli import main
+
+    assert main(["train", "steps=5", "--no-progress", "lr=-1", "--nproc", "1", "min_lr=0"]) == 2
+    assert capsys.readouterr().err.strip() == "ladder: error: lr must be > 0, got -1.0"  # lr=-1 was read
+    with pytest.raises(SystemExit):
+        main(["train", "--no-progress", "lr=1", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 def test_nproc_below_one_is_one_line():
     bad = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "--nproc", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "ladder: error: --nproc must be >= 1, got 0"
@@ -246,3 +256,15 @@ def test_two_nodes_without_a_shared_out_dir_stop_before_training(tmp_path):
             f"ladder: error: out_dir run is not one folder for every rank: rank 1 (on {socket.gethostname()}) does "
             "not see what rank 0 wrote there; put it on a filesystem every node shares"], err[-3000:]
     assert list((tmp_path / "node0" / "run").iterdir()) == []  # no step ran; the check left nothing behind
+
+
+def test_two_nodes_given_different_settings_stop_before_training(tmp_path):
+    # With another lr, rank 1 would apply the averaged gradients differently: the replicas drift apart.
+    args = ["train", "steps=2", f"out_dir={tmp_path / 'run'}", "--no-progress"]
+    nodes = torchrun_on_two_nodes([args, [*args, "lr=1e-3"]])
+    for rank, (status, _, err) in enumerate(nodes):
+        assert status != 0
+        assert [line for line in err.splitlines() if line.startswith("ladder:")] == [
+            f"ladder: error: rank {1 - rank} and rank {rank} have different training settings or data: start every "
+            "node with the same command and the same files"], err[-3000:]
+    assert not checkpoint_dirs(tmp_path / "run")

@@ -586,7 +586,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:2] in (["bench", "plot"], ["bench", "summary"], ["train", "plot"]):  # reads better
         argv = [f"{argv[0]}-{argv[1]}", *argv[2:]]
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "command", None) == "train":  # settings may also follow options: --nproc 2 lr=1e-3
+        args.overrides += [item for item in unknown if "=" in item and not item.startswith("-")]
+        unknown = [item for item in unknown if item not in args.overrides]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except LadderError as exc:
