@@ -34,7 +34,7 @@ def torchrun_ladder(*args: str, dist_timeout_s: int = 60, timeout: float = 300) 
 
 
 def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Sequence[Path | None] = (None, None),
-                          timeout: float = 180) -> list[tuple[int, str, str]]:
+                          dist_timeout_s: int = 60, timeout: float = 180) -> list[tuple[int, str, str]]:
     """`ladder ARGS...` as on two machines: one torchrun agent per node (here both on localhost), one
     rank each, so every rank is LOCAL_RANK 0 and each node may have its own command line and folder.
     Returns each node's (status, stdout, stderr)."""
@@ -44,7 +44,8 @@ def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Se
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                                "-m", "ladder.cli", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "LADDER_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"})
+                              text=True, env={**os.environ, "LADDER_DIST_TIMEOUT": str(dist_timeout_s),
+                                                 "OMP_NUM_THREADS": "1"})
              for node, (args, cwd) in enumerate(zip(args_of_node, cwd_of_node, strict=True))]
     outputs = [node.communicate(timeout=timeout) for node in nodes]
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]

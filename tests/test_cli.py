@@ -209,6 +209,19 @@ def test_two_nodes_given_different_prompts_stop_with_one_line_each():
             "node with the same command and the same files"], err[-3000:]
 
 
+def test_a_node_that_stops_at_bad_input_is_named_on_the_others_in_one_line():
+    args = ["generate", "--tp", "2", "--prompt-ids", "1,2"]
+    (_, _, err0), (_, _, err1) = torchrun_on_two_nodes([[*args, "--preset", "tiny"], [*args, "--model", "/no/such"]],
+                                                       dist_timeout_s=5)
+    assert [line for line in err1.splitlines() if line.startswith("ladder:")] == [
+        "ladder: error: no model file or folder at /no/such (short names: smollm2-135m-instruct)"]
+    said = [line for line in err0.splitlines() if line.startswith("ladder:")]  # before: a page of DistStoreError
+    assert len(said) == 1 and re.fullmatch(r"ladder: error: not all 2 ranks joined within 5 s \(at 127.0.0.1:\d+\); "
+                                           r"a rank that failed to start says why on its own node "
+                                           r"\(LADDER_DIST_TIMEOUT sets the wait\)", said[0]), err0[-3000:]
+    assert "[rank0]: Traceback" not in err0
+
+
 @pytest.mark.parametrize("sig,status,message", [
     (signal.SIGINT, 130, "ladder: interrupted; the configurations measured before are in "),
     (signal.SIGTERM, 143, "ladder: stopped by SIGTERM; the configurations measured before are in "),

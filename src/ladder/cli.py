@@ -600,6 +600,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, Stopped) as exc:
         print(f"ladder: {stop_message(exc)}", file=sys.stderr)
         return exit_status(exc)
+    except RuntimeError as exc:
+        from ladder.distributed import lost_contact
+
+        said = lost_contact(exc)
+        if said is None:
+            raise
+        print(f"ladder: error: {said}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

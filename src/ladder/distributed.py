@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Protocol
@@ -166,9 +167,14 @@ def init_distributed(device: str | None = None, timeout_s: float = DEFAULT_TIMEO
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
+        try:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=dev if dev.type == "cuda" else None)
+        except dist.DistStoreError:  # (a rank that stopped at bad input on its own node never joins)
+            raise LadderError(f"not all {world_size} ranks joined within {timeout_s:g} s (at "
+                              f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}); a rank that "
+                              "failed to start says why on its own node (LADDER_DIST_TIMEOUT sets the wait)") from None
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
@@ -191,6 +197,17 @@ def check_ranks_agree(value: object, what: str) -> None:
     if other is not None:
         raise LadderError(f"rank {other[0]} and rank {dist.get_rank()} have different {what}: start every node "
                           "with the same command and the same files")
+
+
+def lost_contact(exc: BaseException) -> str | None:
+    """One line for torch.distributed's errors when another rank died or stopped answering (gloo's
+    transport errors and timeouts, NCCL's), None for any other error. The ranks still alive say it
+    in that line, not in a page of traceback; the rank that failed says why on its own node."""
+    text = str(exc).strip()
+    if not (isinstance(exc, dist.DistError) or "gloo/transport" in text or "NCCL" in text):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(exc).__name__)  # (source location)
+    return f"lost contact with another rank ({first.split('. ')[0]}); a rank that failed says why on its own node"
 
 
 def shutdown_distributed() -> None:
