@@ -1,6 +1,7 @@
 """ladder bench: a short real + emulated sweep, the emulated link's timing, failures kept in the file."""
 
 import json
+import socket
 import time
 
 import pytest
@@ -43,6 +44,8 @@ def test_results_file_is_well_formed(sweep):
         runs = r["tokens_per_s_runs"]
         assert len(runs) == 2 and min(runs) <= r["tokens_per_s"] <= max(runs)
         assert min(runs) * 0.999 <= r["batch_size"] * r["gen_len"] / r["total_s"] <= max(runs) * 1.001
+    for r in records:  # the machine of every rank of a real link (one rank per emulated configuration)
+        assert r["env"].get("rank_hosts") == (None if r["emulated"] else [socket.gethostname()] * r["tp"])
     emulated = [r for r in records if r["emulated"]]
     assert len(emulated) == 12 and all(r["interconnect"] == "custom" for r in emulated)
     assert [r["round"] for r in emulated] == [0] * 6 + [1] * 6  # interleaved: every configuration, then again

@@ -203,6 +203,7 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
                 runs[j].append(engines[j].generate(prompt, first.gen_len, sampling))
         traces = [_profile(p, e, prompt, sampling, c, rank) if p.profile_dir else None
                   for p, e, c in zip(group, engines, comms)]
+        hosts = _host_of_each_rank() if not first.emulated else None
         if rank != 0:
             return None
         results = []
@@ -214,6 +215,8 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
                 result["peak_memory_kind"] += " (all layouts of the group)"
             if traces[j] is not None:
                 result["trace"] = traces[j]
+            if hosts is not None:  # which machines the ranks ran on: the link between them was measured
+                result["env"] |= {"rank_hosts": hosts, "nodes": len(set(hosts))}
             results.append(result)
         return results
     finally:
@@ -380,6 +383,17 @@ def environment(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
     return env
+
+
+def _host_of_each_rank() -> list[str]:
+    """Every rank's hostname, by rank (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [socket.gethostname()]
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
 
 
 def _git_commit() -> str | None:
