@@ -243,6 +243,21 @@ def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
     assert stderr.strip().splitlines()[-1].startswith("ladder: interrupted"), stderr
 
 
+def test_two_nodes_train_as_one_process_does(corpus, tmp_path):
+    """Two torchrun agents, one rank each (as on two machines sharing a folder): data parallel over
+    the nodes gives the losses of one process, and one checkpoint that both ranks wrote into."""
+    settings = {f.name: getattr(tiny_config(corpus, tmp_path / "run"), f.name) for f in dataclasses.fields(TrainConfig)}
+    args = ["train", "--no-progress", *(f"{k}={','.join(v) if isinstance(v, list) else v}"
+                                        for k, v in settings.items() if v is not None)]
+    nodes = torchrun_on_two_nodes([args, args])
+    assert [status for status, _, _ in nodes] == [0, 0], nodes[0][2][-3000:] + nodes[1][2][-3000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert losses == pytest.approx(GOLDEN, abs=1e-4)  # (the tolerance of test_world_size_2_equals_world_size_1)
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-000003", "step-000006"]
+    assert {p.name for p in (tmp_path / "run" / "checkpoints" / "step-000006").glob("optimizer-rank*.pt")} == {
+        "optimizer-rank0.pt", "optimizer-rank1.pt"}
+
+
 def test_two_nodes_without_a_shared_out_dir_stop_before_training(tmp_path):
     """Each rank writes its optimizer state into out_dir: on two machines without a shared folder the
     first checkpoint failed (a traceback) after training up to it."""
