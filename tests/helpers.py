@@ -51,6 +51,11 @@ def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Se
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]
 
 
+def ladder_lines(stderr: str, prefix: str = "ladder:") -> list[str]:
+    """What ladder itself said on stderr ("ladder: ..."), without torchrun's and torch's lines."""
+    return [line for line in stderr.splitlines() if line.startswith(prefix)]
+
+
 def descendants(pid: int) -> list[int]:
     """The processes `pid` started, and theirs (TP workers are forked by a fork server: grandchildren)."""
     try:

@@ -12,7 +12,7 @@ from ladder.bench import BenchPoint, measured_already, read_results, run_sweep, 
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
 
-from helpers import ladder_cli, torchrun_ladder, torchrun_on_two_nodes
+from helpers import ladder_cli, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
 REQUIRED = {"layout", "preset", "model", "tp", "batch_size", "prompt_len", "gen_len", "interconnect", "emulated",
             "env", "prefill_s", "decode_s", "tokens_per_s", "decode_token_latency_ms", "peak_memory_bytes",
@@ -345,7 +345,7 @@ def test_two_nodes_started_with_different_commands_stop_with_one_line_each(tmp_p
     nodes = torchrun_on_two_nodes([TWO_NODE_SWEEP, other], [tmp_path, tmp_path])
     for rank, (status, _, err) in enumerate(nodes):
         assert status != 0
-        said = [line for line in err.splitlines() if line.startswith("ladder:")]
+        said = ladder_lines(err)
         assert said == [f"ladder: error: rank {1 - rank} and rank {rank} are about to measure different "
                         "configurations (they differ in gen_len): start every node with the same command"], err
     assert not (tmp_path / "r.jsonl").exists()
@@ -357,7 +357,7 @@ def test_under_torchrun_a_real_link_runs_at_the_world_size_only(tmp_path):
                              "--runs", "1", "--prompt-len", "4", "--gen-len", "2", "--no-progress",
                              "--out", str(tmp_path / "r.jsonl"))
     assert result.returncode != 0
-    said = {line for line in result.stderr.splitlines() if line.startswith("ladder:")}
+    said = set(ladder_lines(result.stderr))
     assert said == {"ladder: error: under torchrun (WORLD_SIZE=2) the real interconnect runs at --tp 2 only, not 1; "
                     "an emulated link (--interconnect NAME) runs any --tp on each rank"}, result.stderr[-3000:]
     assert not (tmp_path / "r.jsonl").exists()

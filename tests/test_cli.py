@@ -18,7 +18,8 @@ from ladder.errors import LadderError
 from ladder.launch import launch
 from ladder.train import TrainConfig, load_train_config
 
-from helpers import descendants, has_loaded_torch, stop_when_ready, torchrun_ladder, torchrun_on_two_nodes
+from helpers import (descendants, has_loaded_torch, ladder_lines, stop_when_ready, torchrun_ladder,
+                     torchrun_on_two_nodes)
 
 LADDER = [sys.executable, "-m", "ladder.cli"]
 
@@ -204,7 +205,7 @@ def test_two_nodes_given_different_prompts_stop_with_one_line_each():
     nodes = torchrun_on_two_nodes([[*args, "1,2,3"], [*args, "1,2,4"]])
     for rank, (status, _, err) in enumerate(nodes):
         assert status != 0
-        assert [line for line in err.splitlines() if line.startswith("ladder:")] == [
+        assert ladder_lines(err) == [
             f"ladder: error: rank {1 - rank} and rank {rank} have different options or prompt tokens: start every "
             "node with the same command and the same files"], err[-3000:]
 
@@ -213,9 +214,9 @@ def test_a_node_that_stops_at_bad_input_is_named_on_the_others_in_one_line():
     args = ["generate", "--tp", "2", "--prompt-ids", "1,2"]
     (_, _, err0), (_, _, err1) = torchrun_on_two_nodes([[*args, "--preset", "tiny"], [*args, "--model", "/no/such"]],
                                                        dist_timeout_s=5)
-    assert [line for line in err1.splitlines() if line.startswith("ladder:")] == [
+    assert ladder_lines(err1) == [
         "ladder: error: no model file or folder at /no/such (short names: smollm2-135m-instruct)"]
-    said = [line for line in err0.splitlines() if line.startswith("ladder:")]  # before: a page of DistStoreError
+    said = ladder_lines(err0)  # before: a page of DistStoreError
     assert len(said) == 1 and re.fullmatch(r"ladder: error: not all 2 ranks joined within 5 s \(at 127.0.0.1:\d+\); "
                                            r"a rank that failed to start says why on its own node "
                                            r"\(LADDER_DIST_TIMEOUT sets the wait\)", said[0]), err0[-3000:]

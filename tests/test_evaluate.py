@@ -11,7 +11,7 @@ from ladder.distributed import LocalCommunicator
 from ladder.evaluate import perplexity, windows
 from ladder.weights import build_model, load_weights
 
-from helpers import CPU, ladder_cli, torchrun_ladder, torchrun_on_two_nodes
+from helpers import CPU, ladder_cli, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
 
 @pytest.mark.parametrize("n_tokens,window,stride", [(2, 2, 1), (10, 4, 3), (10, 4, 1), (100, 16, 7), (17, 512, 512)])
@@ -79,6 +79,6 @@ def test_two_nodes_reading_different_texts_stop_with_one_line_each(tmp_path):
     nodes = torchrun_on_two_nodes([args, args], [tmp_path / "node0", tmp_path / "node1"])
     for rank, (status, _, err) in enumerate(nodes):
         assert status != 0
-        assert [line for line in err.splitlines() if line.startswith("ladder: error")] == [
+        assert ladder_lines(err, "ladder: error") == [
             f"ladder: error: rank {1 - rank} and rank {rank} have different options or tokens of --text: start every "
             "node with the same command and the same files"], err[-3000:]

@@ -16,7 +16,7 @@ from ladder.errors import LadderError
 from ladder.launch import launch
 from ladder.train import TrainConfig, checkpoint_dirs, load_train_config, train
 
-from helpers import descendants, has_loaded_torch, stop_when_ready, torchrun_on_two_nodes
+from helpers import descendants, has_loaded_torch, ladder_lines, stop_when_ready, torchrun_on_two_nodes
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +267,7 @@ def test_two_nodes_without_a_shared_out_dir_stop_before_training(tmp_path):
     nodes = torchrun_on_two_nodes([args, args], [tmp_path / "node0", tmp_path / "node1"])
     for status, _, err in nodes:
         assert status != 0
-        assert [line for line in err.splitlines() if line.startswith("ladder:")] == [
+        assert ladder_lines(err) == [
             f"ladder: error: out_dir run is not one folder for every rank: rank 1 (on {socket.gethostname()}) does "
             "not see what rank 0 wrote there; put it on a filesystem every node shares"], err[-3000:]
     assert list((tmp_path / "node0" / "run").iterdir()) == []  # no step ran; the check left nothing behind
@@ -279,7 +279,7 @@ def test_two_nodes_given_different_settings_stop_before_training(tmp_path):
     nodes = torchrun_on_two_nodes([args, [*args, "lr=1e-3"]])
     for rank, (status, _, err) in enumerate(nodes):
         assert status != 0
-        assert [line for line in err.splitlines() if line.startswith("ladder:")] == [
+        assert ladder_lines(err) == [
             f"ladder: error: rank {1 - rank} and rank {rank} have different training settings or data: start every "
             "node with the same command and the same files"], err[-3000:]
     assert not checkpoint_dirs(tmp_path / "run")
