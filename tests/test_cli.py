@@ -9,11 +9,12 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ladder.cli import build_parser, main
 from ladder.config import ModelConfig, get_preset
-from ladder.distributed import init_distributed, shutdown_distributed
+from ladder.distributed import communication_failure, init_distributed, shutdown_distributed
 from ladder.errors import LadderError
 from ladder.launch import launch
 from ladder.train import TrainConfig, load_train_config
@@ -153,6 +154,28 @@ def test_a_failing_rank_stops_every_rank_without_hanging():
     with pytest.raises(LadderError, match="rank 1 failed: rank one broke on purpose"):
         launch(_rank1_fails_while_rank0_waits, 2)
     assert time.monotonic() - start < 50  # well before the 60 s process-group timeout
+
+
+def _what_rank0_says_when_rank1_dies() -> str | None:
+    init_distributed("cpu", timeout_s=30)
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()  # its connections close, as when it dies
+        return None
+    try:
+        dist.all_reduce(torch.ones(4))
+    except RuntimeError as exc:
+        return communication_failure(exc)
+    finally:
+        shutdown_distributed()
+    return "the all-reduce succeeded without rank 1"
+
+
+def test_a_rank_that_loses_its_peer_says_so_in_one_line():
+    said = launch(_what_rank0_says_when_rank1_dies, 2)[0]
+    assert said is not None and "\n" not in said, said  # None: the error was not recognised (a traceback)
+    assert said.startswith("communication with the other ranks failed (") and said.endswith(
+        "); a rank that died or failed says why on its own node"), said
+    assert communication_failure(RuntimeError("shape mismatch")) is None  # other errors stay tracebacks
 
 
 def _environment_of_rank() -> tuple[str | None, str | None, str]:

@@ -601,9 +601,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ladder: {stop_message(exc)}", file=sys.stderr)
         return exit_status(exc)
     except RuntimeError as exc:
-        from ladder.distributed import lost_contact
+        from ladder.distributed import communication_failure
 
-        said = lost_contact(exc)
+        said = communication_failure(exc)
         if said is None:
             raise
         print(f"ladder: error: {said}", file=sys.stderr)

@@ -199,7 +199,7 @@ def check_ranks_agree(value: object, what: str) -> None:
                           "with the same command and the same files")
 
 
-def lost_contact(exc: BaseException) -> str | None:
+def communication_failure(exc: BaseException) -> str | None:
     """One line for torch.distributed's errors when another rank died or stopped answering (gloo's
     transport errors and timeouts, NCCL's), None for any other error. The ranks still alive say it
     in that line, not in a page of traceback; the rank that failed says why on its own node."""
@@ -207,7 +207,8 @@ def lost_contact(exc: BaseException) -> str | None:
     if not (isinstance(exc, dist.DistError) or "gloo/transport" in text or "NCCL" in text):
         return None
     first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(exc).__name__)  # (source location)
-    return f"lost contact with another rank ({first.split('. ')[0]}); a rank that failed says why on its own node"
+    return (f"communication with the other ranks failed ({first.split('. ')[0]}); a rank that died or failed says "
+            "why on its own node")
 
 
 def shutdown_distributed() -> None:
