@@ -169,13 +169,12 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
     if first.emulated:
         device = pick_device(first.device)
         comms: list[Any] = [EmulatedCommunicator(p.link, p.tp, device, p.link_scale) for p in group]
-        rank = 0
+        rank, hosts = 0, None
     else:
         ctx = init_distributed(first.device)
         device, rank = ctx.device, ctx.rank
         comms = [ctx.communicator()] * len(group)
-        if ctx.world_size > 1 and under_torchrun():
-            check_ranks_agree(group)
+        hosts = host_of_each_rank_measuring(group)
     try:
         check_fits(group, device)
         dtype = dtype_name(first, device)
@@ -203,7 +202,6 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
                 runs[j].append(engines[j].generate(prompt, first.gen_len, sampling))
         traces = [_profile(p, e, prompt, sampling, c, rank) if p.profile_dir else None
                   for p, e, c in zip(group, engines, comms)]
-        hosts = _host_of_each_rank() if not first.emulated else None
         if rank != 0:
             return None
         results = []
@@ -230,21 +228,23 @@ class RanksDisagree(LadderError):
     """Ranks started by torchrun were about to measure different configurations: the sweep stops."""
 
 
-def check_ranks_agree(group: Sequence[BenchPoint]) -> None:
-    """Ranks given different options (under torchrun each node has its own command line) would time
-    the collectives of different configurations paired: they compare what they are about to measure."""
+def host_of_each_rank_measuring(group: Sequence[BenchPoint]) -> list[str]:
+    """The machine of every rank, once they agree on what they are about to measure: ranks given
+    different options (under torchrun each node has its own command line) would time the collectives
+    of different configurations paired."""
     import torch.distributed as dist
 
-    from ladder.distributed import rank_that_disagrees
+    from ladder.distributed import from_every_rank
 
     mine = [p.describe() for p in group]
-    other = rank_that_disagrees(mine)
-    if other is not None:
-        rank, theirs = other
-        differ = sorted({k for a, b in zip(theirs, mine) for k in a if a[k] != b.get(k)}) or ["layouts"]
-        raise RanksDisagree(f"rank {rank} and rank {dist.get_rank()} are about to measure different "
-                            f"configurations (they differ in {', '.join(differ)}): start every node with "
-                            "the same command")
+    everyone = from_every_rank((mine, socket.gethostname()))
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs != mine:
+            differ = sorted({k for a, b in zip(theirs, mine) for k in a if a[k] != b.get(k)}) or ["layouts"]
+            raise RanksDisagree(f"rank {rank} and rank {dist.get_rank()} are about to measure different "
+                                f"configurations (they differ in {', '.join(differ)}): start every node with "
+                                "the same command")
+    return [host for _, host in everyone]
 
 
 def agree_on_measured_already(done: dict[str, dict[str, Any]], points: Sequence[BenchPoint]
@@ -383,17 +383,6 @@ def environment(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
     return env
-
-
-def _host_of_each_rank() -> list[str]:
-    """Every rank's hostname, by rank (a collective: every rank calls it)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return [socket.gethostname()]
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    return hosts
 
 
 def _git_commit() -> str | None:

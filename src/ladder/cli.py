@@ -6,7 +6,6 @@ Every user error is a `LadderError`, printed as one line (`ladder: error: ...`) 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import signal
 import sys
@@ -191,7 +190,7 @@ class EvalRequest:
 
 
 def eval_on_rank(req: EvalRequest) -> dict:
-    from ladder.distributed import check_ranks_agree, init_distributed, shutdown_distributed
+    from ladder.distributed import check_ranks_agree, fingerprint, init_distributed, shutdown_distributed
     from ladder.evaluate import perplexity
     from ladder.loader import describe, load_model
 
@@ -205,8 +204,7 @@ def eval_on_rank(req: EvalRequest) -> dict:
         ids = loaded.tokenizer.encode(text)
         if req.max_tokens:
             ids = ids[: req.max_tokens]
-        check_ranks_agree((req, hashlib.sha256(torch.tensor(ids).numpy().tobytes()).hexdigest()),
-                          "options or tokens of --text")
+        check_ranks_agree((req, fingerprint(ids)), "options or tokens of --text")
         result = perplexity(loaded.model, ids, req.window, req.stride, progress=ctx.is_main)
         result.update(model=req.model.label, text=req.text_file, layout=loaded.model.config.layout_name,
                       ladder_layers=loaded.model.config.n_ladder_layers, tp=ctx.world_size)

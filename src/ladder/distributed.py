@@ -8,9 +8,11 @@ schedule. `init_distributed()` is explicit: nothing here runs at import time.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -178,25 +180,32 @@ def init_distributed(device: str | None = None, timeout_s: float = DEFAULT_TIMEO
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
-def rank_that_disagrees(value: object) -> tuple[int, object] | None:
-    """A rank whose `value` differs from this rank's, and its value; None if all agree (or alone).
+def from_every_rank(value: object) -> list[object]:
+    """Every rank's `value`, by rank (a collective: every rank calls it; alone: [value])."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def check_ranks_agree(value: object, what: str) -> None:
+    """Raise on every rank, in one line, unless every rank has the same `value`.
 
     Under torchrun every node runs its own command line and reads its own files. Ranks that start from
     different inputs pair the collectives of different work: they compute nonsense without an error,
     or wait for each other until the timeout. So they compare what they are about to do first."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    everyone: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
-    return next(((rank, theirs) for rank, theirs in enumerate(everyone) if theirs != value), None)
-
-
-def check_ranks_agree(value: object, what: str) -> None:
-    """Raise on every rank, in one line, unless every rank has the same `value` (see rank_that_disagrees)."""
-    other = rank_that_disagrees(value)
+    other = next((rank for rank, theirs in enumerate(from_every_rank(value)) if theirs != value), None)
     if other is not None:
-        raise LadderError(f"rank {other[0]} and rank {dist.get_rank()} have different {what}: start every node "
+        raise LadderError(f"rank {other} and rank {dist.get_rank()} have different {what}: start every node "
                           "with the same command and the same files")
+
+
+def fingerprint(tokens: torch.Tensor | Sequence[int] | None) -> str | None:
+    """A short stand-in for a long run of token ids, for ranks to compare."""
+    if tokens is None:
+        return None
+    return hashlib.sha256(torch.as_tensor(tokens, dtype=torch.long).numpy().tobytes()).hexdigest()
 
 
 def communication_failure(exc: BaseException) -> str | None:

@@ -13,7 +13,6 @@ Each checkpoint folder is a model folder that `ladder generate / eval / convert`
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ladder.distributed import check_ranks_agree
+from ladder.distributed import check_ranks_agree, fingerprint, from_every_rank
 from ladder.errors import LadderError, Stopped
 
 
@@ -310,10 +309,6 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
     return final
 
 
-def _digest(tokens: torch.Tensor | None) -> str | None:
-    return None if tokens is None else hashlib.sha256(tokens.numpy().tobytes()).hexdigest()
-
-
 def check_out_dir_is_shared(out_dir: Path, rank: int, world: int) -> None:
     """Every rank writes its part of each checkpoint into out_dir, and reads it back on --resume: on
     several machines out_dir must be one folder they all share. Found out before training starts, not
@@ -336,8 +331,7 @@ def check_out_dir_is_shared(out_dir: Path, rank: int, world: int) -> None:
         sees = marker.read_text() == name[0]
     except OSError:
         sees = False
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, (sees, socket.gethostname()))
+    everyone: list[Any] = from_every_rank((sees, socket.gethostname()))
     dist.barrier()
     if rank == 0:
         marker.unlink()
@@ -471,7 +465,7 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
     heldout = pack(read_texts(config.heldout), tokenizer, config.seq_len) if config.heldout else None
     # Ranks with other settings (under torchrun each node has its own command line) would apply one
     # averaged gradient differently, and their replicas drift apart without an error.
-    check_ranks_agree((dataclasses.asdict(config), resume, _digest(train_batches.sequences), _digest(heldout)),
+    check_ranks_agree((dataclasses.asdict(config), resume, fingerprint(train_batches.sequences), fingerprint(heldout)),
                       "training settings or data")
 
     latest = None
