@@ -5,14 +5,15 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ladder.costmodel import fit_on_paper, validate, validate_other_shape
+from ladder.costmodel import UNSEEN_SETTINGS, fit_on_paper, validate, validate_unseen
 
 constants = fit_on_paper()
 report = validate(constants)
 out = Path(__file__).resolve().parent.parent / "src/ladder/data/costmodel-fit.json"
 tmp = out.with_suffix(".tmp")
 tmp.write_text(json.dumps({"constants": asdict(constants), "validation": report,
-                           "other_shape": validate_other_shape(constants)}, indent=2) + "\n")
+                           "unseen": {name: validate_unseen(setting, constants)
+                                      for name, setting in UNSEEN_SETTINGS.items()}}, indent=2) + "\n")
 tmp.replace(out)
 within = sum(p["within"] for p in report["points"])
 print(f"held-out ladder/standard speedup within {report['tolerance']}: {within}/{len(report['points'])} "

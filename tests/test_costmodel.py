@@ -7,7 +7,8 @@ from importlib import resources
 import pytest
 
 from ladder.costmodel import (GPUS, HELD_OUT_BATCHES, TRAIN_BATCHES, Workload, fit_on_paper, fitted_constants,
-                              paper_table, predict_table, predict_tokens_per_s, validate, validate_other_shape)
+                              UNSEEN_SETTINGS, paper_table, predict_table, predict_tokens_per_s, validate,
+                              validate_unseen)
 from ladder.config import get_preset
 from ladder.interconnect import get_link
 
@@ -34,14 +35,18 @@ def test_held_out_speedup_error():
     assert stored["validation"]["fraction_within"] == report["fraction_within"]
 
 
-def test_other_shape_check_reads_the_paper_8b_speedups():
-    report = validate_other_shape()
-    assert len(report["points"]) == 12
-    assert {(p["layout"], p["batch_size"]) for p in report["points"]} == {
-        (layout, b) for layout in ("ladder", "parallel") for b in (1, 4, 8, 16, 32, 64)}
-    assert all(1.2 < p["published"] < 1.45 and p["predicted"] > 1.0 for p in report["points"])
-    stored = json.loads(resources.files("ladder").joinpath("data/costmodel-fit.json").read_text())
-    assert stored["other_shape"]["fraction_within"] == report["fraction_within"]
+def test_unseen_settings_read_the_paper_8b_and_405b_speedups():
+    stored = json.loads(resources.files("ladder").joinpath("data/costmodel-fit.json").read_text())["unseen"]
+    shape = validate_unseen(UNSEEN_SETTINGS["llama-3-8b"])
+    assert {(p["layout"], p["tp"], p["batch_size"], p["p2p"]) for p in shape["points"]} == {
+        (layout, 8, b, "on") for layout in ("ladder", "parallel") for b in (1, 4, 8, 16, 32, 64)}
+    assert all(1.2 < p["published"] < 1.45 and p["predicted"] > 1.0 for p in shape["points"])
+    two_nodes = validate_unseen(UNSEEN_SETTINGS["llama-3.1-405b"])
+    assert {(p["tp"], p["batch_size"], p["p2p"], p["interconnect"]) for p in two_nodes["points"]} == {
+        (16, b, p2p, link) for b in (1, 4, 8, 16) for p2p, link in (("on", "infiniband-ndr"), ("off", "pcie-no-p2p"))}
+    assert all(1.3 <= p["published"] < 1.6 and p["predicted"] > 1.0 for p in two_nodes["points"])
+    for report in (shape, two_nodes):
+        assert stored[report["setting"]]["fraction_within"] == report["fraction_within"]
 
 
 def test_link_presets_reproduce_the_paper_all_reduce_costs():

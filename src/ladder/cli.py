@@ -359,7 +359,8 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     import json
 
-    from ladder.costmodel import fitted_constants, get_gpu, predict_table, validate, validate_other_shape
+    from ladder.costmodel import (UNSEEN_SETTINGS, fitted_constants, get_gpu, predict_table, validate,
+                                  validate_unseen)
     from ladder.interconnect import get_link
 
     if args.validate:
@@ -373,14 +374,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
         within = sum(p["within"] for p in report["points"])
         print(f"{within}/{len(report['points'])} within {report['tolerance']} of the published ladder/standard "
               f"speedup ({report['fraction_within']:.0%}); * marks the others")
-        other = validate_other_shape(fitted_constants())
-        print(f"\na shape never fitted: the paper's {other['preset']} speedups over standard, h100 x8, nvlink:")
-        print(f"{'layout':<10}{'batch':>6}{'published':>11}{'predicted':>11}{'error':>8}")
-        for p in other["points"]:
-            print(f"{p['layout']:<10}{p['batch_size']:>6}{p['published']:>11.3f}{p['predicted']:>11.3f}"
-                  f"{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
-        within = sum(p["within"] for p in other["points"])
-        print(f"{within}/{len(other['points'])} within {other['tolerance']} ({other['fraction_within']:.0%})")
+        for setting in UNSEEN_SETTINGS.values():
+            other = validate_unseen(setting, fitted_constants())
+            print(f"\n{other['description']}:")
+            print(f"{'layout':<10}{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}")
+            for p in other["points"]:
+                print(f"{p['layout']:<10}{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}"
+                      f"{p['predicted']:>11.3f}{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
+            within = sum(p["within"] for p in other["points"])
+            print(f"{within}/{len(other['points'])} within {other['tolerance']} ({other['fraction_within']:.0%})")
         return 0
     link = get_link(args.interconnect, args.link_latency_us, args.link_bandwidth_gbps)
     if link is None:
