@@ -85,6 +85,25 @@ def test_summary_pools_rounds():
     assert rows["ladder"]["hidden_rounds"] == pytest.approx([hidden(10, 13, 20), hidden(10.5, 19, 20.5)])
 
 
+def test_plots_pool_records_as_the_summary_does():
+    from ladder.plots import _pooled_points, pareto_frontier
+
+    def record(layout, runs, latency_ms, round_):
+        return {"status": "ok", "preset": "tiny", "interconnect": "real", "emulated": False, "tp": 2,
+                "batch_size": 1, "prompt_len": 8, "gen_len": 4, "layout": layout, "round": round_,
+                "tokens_per_s": sorted(runs)[len(runs) // 2], "tokens_per_s_runs": runs,
+                "decode_token_latency_ms": {"p50": latency_ms}, "env": {"device_name": "cpu"}}
+
+    records = [record("standard", [10, 10], 50.0, 0), record("ladder", [12, 14], 40.0, 0),
+               record("standard", [10, 11], 52.0, 1), record("ladder", [20, 19, 18], 30.0, 1)]
+    [(panel, points)] = _pooled_points(records).items()
+    assert panel == ("tiny", "real", 8, 4, "cpu", False)
+    summary = {r["layout"]: r["tokens_per_s"] for r in summarise(records)}
+    assert {p.layout: p.tokens_per_s for p in points} == summary == {"standard": 10, "ladder": 18}
+    assert {p.layout: p.latency_ms for p in points} == {"standard": 51.0, "ladder": 35.0}
+    assert pareto_frontier([(1, 1), (2, 3), (3, 2), (4, 4)]) == [(1, 1), (2, 3), (4, 4)]
+
+
 def test_plot_files(sweep, tmp_path):
     out = ladder_cli("bench", "plot", str(sweep[0]), "--out-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ladder.bench import layout_label, link_label, summarise
+from ladder.bench import layout_label, link_label
 from ladder.errors import LadderError
 
 COLORS = {"standard": "tab:gray", "parallel": "tab:blue", "ladder": "tab:red", "desync": "tab:purple",
@@ -23,83 +25,146 @@ def _pyplot():
     return plt
 
 
-def _panel(r: dict[str, Any]) -> tuple[str, str]:
-    """Results drawn together: one model on one link (at one dilation)."""
-    return r["preset"], link_label(r)
+Panel = tuple  # (preset, link label, prompt_len, gen_len, device name, compiled): results drawn together
 
 
-def _panel_title(preset: str, link: str) -> str:
-    return f"{preset}, {link}"
+def _panel(r: dict[str, Any]) -> Panel:
+    return (r["preset"], link_label(r), r["prompt_len"], r["gen_len"], r.get("env", {}).get("device_name", "?"),
+            bool(r.get("compile")))
+
+
+def _panel_title(panel: Panel) -> str:
+    preset, link, prompt_len, gen_len, device_name, compiled = panel
+    return (f"{preset}, {link}\nprompt {prompt_len}, {gen_len} new tokens, {device_name}"
+            f"{', compiled' if compiled else ''}")
+
+
+@dataclass
+class _Point:
+    """One layout of one configuration, all its records (rounds, sweeps run again) pooled as `summarise`
+    pools them."""
+    layout: str
+    tp: int
+    batch_size: int
+    tokens_per_s: float  # median over every measured run of every record
+    latency_ms: float | None  # median of the records' median decode latency per token
+    records: list[tuple[float, float | None]]  # each record's own (tokens/s, latency): drawn faint
+
+
+def _pooled_points(ok: list[dict[str, Any]]) -> dict[Panel, list[_Point]]:
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in ok:
+        groups[(_panel(r), layout_label(r), r["tp"], r["batch_size"])].append(r)
+    panels: dict[Panel, list[_Point]] = defaultdict(list)
+    for (panel, layout, tp, batch), rs in sorted(groups.items()):
+        latencies = [(r.get("decode_token_latency_ms") or {}).get("p50") for r in rs]
+        known = [x for x in latencies if x is not None]
+        panels[panel].append(_Point(
+            layout, tp, batch,
+            tokens_per_s=statistics.median(x for r in rs for x in r.get("tokens_per_s_runs") or [r["tokens_per_s"]]),
+            latency_ms=statistics.median(known) if known else None,
+            records=[(r["tokens_per_s"], latency) for r, latency in zip(rs, latencies)]))
+    return dict(sorted(panels.items()))
+
+
+def _color(layout: str) -> str | None:
+    return COLORS.get(layout.split("[")[0])
 
 
 def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, results_path: Path | None = None
                ) -> list[Path]:
-    """Three PNGs: tokens/s vs batch, speedup over standard vs batch, latency-vs-throughput Pareto."""
+    """Three PNGs: tokens/s vs batch, speedup over standard vs batch, latency-vs-throughput Pareto.
+    Lines join pooled values; faint dots are the records pooled (rounds of `--rounds`, sweeps run again)."""
     ok = [r for r in records if r.get("status") == "ok"]
     if not ok:
         raise LadderError("the results file holds no successful measurement to plot")
     out_dir = out_dir or (results_path.parent if results_path else Path("."))
     out_dir.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
-    panels = sorted({_panel(r) for r in ok})
+    panels = _pooled_points(ok)
     paths = []
 
+    def figure():
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
+        return fig, zip(axes[0], panels.items())
+
+    def line_style(points: list[_Point], tp: int) -> str:
+        return ["-", "--", ":", "-."][sorted({p.tp for p in points}).index(tp) % 4]
+
     # 1. tokens/s vs batch, one line per (layout, tp)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        series: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
-        for r in ok:
-            if _panel(r) == panel:
-                series[(layout_label(r), r["tp"])].append((r["batch_size"], r["tokens_per_s"]))
-        for (label, tp), pts in sorted(series.items()):
-            pts.sort()
-            ax.plot(*zip(*pts), marker="o", color=COLORS.get(label.split("[")[0]),
-                    linestyle=["-", "--", ":", "-."][sorted({k[1] for k in series}).index(tp) % 4],
-                    label=f"{label} tp={tp}")
-        ax.set(yscale="log", xlabel="batch size", ylabel="tokens/s", title=_panel_title(*panel))
-        _batch_axis(ax, [b for pts in series.values() for b, _ in pts])
+    fig, panel_axes = figure()
+    for ax, (panel, points) in panel_axes:
+        for (layout, tp), series in _by_layout_and_tp(points).items():
+            ax.plot([p.batch_size for p in series], [p.tokens_per_s for p in series], marker="o", color=_color(layout),
+                    linestyle=line_style(points, tp), label=f"{layout} tp={tp}")
+            ax.scatter([p.batch_size for p in series for _ in p.records],
+                       [tps for p in series for tps, _ in p.records], color=_color(layout), s=10, alpha=0.3)
+        ax.set(yscale="log", xlabel="batch size", ylabel="tokens/s", title=_panel_title(panel))
+        _plain_log_labels(ax.yaxis)
+        _batch_axis(ax, [p.batch_size for p in points])
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "throughput.png", plt))
 
-    # 2. speedup over standard vs batch
-    rows = [r for r in summarise(ok) if r["speedup"] is not None and r["layout"] != "standard"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        series = defaultdict(list)
-        for r in rows:
-            if (r["preset"], r["link"]) == panel:
-                series[(r["layout"], r["tp"])].append((r["batch_size"], r["speedup"]))
-        for (label, tp), pts in sorted(series.items()):
-            pts.sort()
-            ax.plot(*zip(*pts), marker="o", color=COLORS.get(label.split("[")[0]), label=f"{label} tp={tp}",
-                    linestyle=["-", "--", ":", "-."][sorted({k[1] for k in series}).index(tp) % 4])
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set(xlabel="batch size", ylabel="speedup over standard", title=_panel_title(*panel))
-        _batch_axis(ax, [b for pts in series.values() for b, _ in pts])
+    # 2. speedup over standard vs batch, at equal TP and batch
+    fig, panel_axes = figure()
+    for ax, (panel, points) in panel_axes:
+        standard = {(p.tp, p.batch_size): p.tokens_per_s for p in points if p.layout == "standard"}
+        for (layout, tp), series in _by_layout_and_tp(points).items():
+            series = [p for p in series if (p.tp, p.batch_size) in standard]
+            if layout == "standard" or not series:
+                continue
+            ax.plot([p.batch_size for p in series], [p.tokens_per_s / standard[(tp, p.batch_size)] for p in series],
+                    marker="o", color=_color(layout), linestyle=line_style(points, tp), label=f"{layout} tp={tp}")
+        ax.axhline(1.0, color="black", linewidth=0.8, label="standard")
+        ax.set(xlabel="batch size", ylabel="speedup over standard", title=_panel_title(panel))
+        _batch_axis(ax, [p.batch_size for p in points])
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "speedup.png", plt))
 
     # 3. Pareto: decode latency per token vs tokens/s per device, across TP and batch
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        by_layout = defaultdict(list)
-        for r in ok:
-            if _panel(r) == panel and r.get("decode_token_latency_ms"):
-                by_layout[layout_label(r)].append((r["decode_token_latency_ms"]["p50"],
-                                                   r["tokens_per_s_per_device"], r["tp"], r["batch_size"]))
-        for label, pts in sorted(by_layout.items()):
-            color = COLORS.get(label.split("[")[0])
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, s=18, alpha=0.6)
-            front = pareto_frontier([(p[0], p[1]) for p in pts])
-            ax.plot(*zip(*front), color=color, label=label)
+    fig, panel_axes = figure()
+    for ax, (panel, points) in panel_axes:
+        for layout in sorted({p.layout for p in points}):
+            mine = [p for p in points if p.layout == layout and p.latency_ms is not None]
+            if not mine:
+                continue
+            xy = [(p.latency_ms, p.tokens_per_s / p.tp) for p in mine]
+            ax.scatter(*zip(*xy), color=_color(layout), s=22)
+            faint = [(latency, tps / p.tp) for p in mine for tps, latency in p.records if latency is not None]
+            ax.scatter(*zip(*faint), color=_color(layout), s=8, alpha=0.25)
+            for p, (x, y) in zip(mine, xy):
+                ax.annotate(f"tp{p.tp} b{p.batch_size}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6,
+                            color=_color(layout))
+            ax.plot(*zip(*pareto_frontier(xy)), color=_color(layout), label=layout)
         ax.set(xscale="log", yscale="log", xlabel="decode latency per token, p50 (ms)",
-               ylabel="tokens/s per device", title=_panel_title(*panel) + ": Pareto over TP x batch")
+               ylabel="tokens/s per device", title=_panel_title(panel) + "\nPareto frontier over TP x batch")
+        _plain_log_labels(ax.xaxis)
+        _plain_log_labels(ax.yaxis)
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "pareto.png", plt))
     return paths
+
+
+def _by_layout_and_tp(points: list[_Point]) -> dict[tuple[str, int], list[_Point]]:
+    series: dict[tuple[str, int], list[_Point]] = defaultdict(list)
+    for p in sorted(points, key=lambda p: p.batch_size):
+        series[(p.layout, p.tp)].append(p)
+    return dict(sorted(series.items()))
+
+
+def _plain_log_labels(axis) -> None:
+    """Label a log axis 20, 30, 40 rather than 2x10^1, 3x10^1, 4x10^1 (the same ticks labelled)."""
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    class Plain(LogFormatterSciNotation):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    axis.set_major_formatter(Plain(labelOnlyBase=False))
+    axis.set_minor_formatter(Plain(labelOnlyBase=False))
 
 
 def _batch_axis(ax, batch_sizes: list[int]) -> None:
