@@ -210,6 +210,7 @@ def plot_training(runs: list[Path], out: Path) -> Path:
         if held:
             ax.plot(*zip(*held), marker="o", linestyle="--", color=line.get_color(), label=f"{run.name} held-out")
     ax.set(xlabel="training tokens", ylabel="loss (nats/token)", yscale="log")
+    _plain_log_labels(ax.yaxis)
     ax.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
