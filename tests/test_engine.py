@@ -25,6 +25,13 @@ def test_greedy_equals_argmax_of_full_forward(engine):
     assert result.tokens == seq[:, PROMPT.shape[1]:].tolist()
 
 
+def test_last_only_logits_are_the_last_position_of_the_full_forward(engine):
+    with torch.inference_mode():
+        full, last = engine.model(PROMPT), engine.model(PROMPT, last_only=True)
+    assert last.shape == (PROMPT.shape[0], 1, full.shape[-1])
+    torch.testing.assert_close(last, full[:, -1:], rtol=1e-6, atol=1e-6)
+
+
 def test_temperature_zero_is_deterministic(engine):
     a = engine.generate(PROMPT, 8, SamplingParams(temperature=0, seed=1))
     b = engine.generate(PROMPT, 8, SamplingParams(temperature=0, seed=2))

@@ -120,7 +120,7 @@ class Engine:
 
         synchronize(self.device)
         start = time.perf_counter()
-        logits = self.model(prompt, torch.arange(T, device=self.device))[:, -1]  # (B, V)
+        logits = self.model(prompt, torch.arange(T, device=self.device), last_only=True)[:, -1]  # (B, V)
         token = sample(logits, sampling, generator)  # (B,)
         synchronize(self.device)
         prefill_s = time.perf_counter() - start

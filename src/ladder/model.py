@@ -242,8 +242,12 @@ class Transformer(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T); input_pos (T,) cache positions, or None for a cache-free causal forward."""
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens (B, T); input_pos (T,) cache positions, or None for a cache-free causal forward.
+        `last_only`: logits of the last position only, (B, 1, vocab), all that sampling needs after a
+        prefill (the head over every prompt position would cost batch x prompt x vocab x dim x 2 FLOPs
+        and as many logits in memory: 17 GB for Llama-3 at batch 64, prompt 1024, bf16)."""
         B, T = tokens.shape
         r = self.tok_embeddings(tokens)  # (B, T, dim)
         positions = input_pos if input_pos is not None else torch.arange(T, device=tokens.device)
@@ -263,6 +267,8 @@ class Transformer(nn.Module):
         else:
             r = self._ladder_layers(r, rope, input_pos, mask)
 
+        if last_only:
+            r = r[:, -1:]
         logits = self.output(self.norm(r))  # (B, T, vocab or vocab / tp)
         if self.shard_vocab:
             logits = self.comm.all_gather_last_dim(logits)  # (B, T, vocab)
