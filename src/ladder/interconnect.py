@@ -150,6 +150,8 @@ def get_link(name: str, latency_us: float | None = None, bandwidth_gbps: float |
 
 
 class _DeadlineHandle:
+    __slots__ = ("result", "deadline", "comm")
+
     def __init__(self, result: torch.Tensor, deadline: float, comm: EmulatedCommunicator) -> None:
         self.result = result
         self.deadline = deadline
@@ -158,8 +160,10 @@ class _DeadlineHandle:
     def wait(self, after: torch.Tensor | None = None) -> torch.Tensor:
         # What was still left of the modelled transfer when compute needed the result: not hidden.
         # (Late wake-ups of this thread are the emulation's overhead, not communication: not counted.)
-        self.comm.exposed_s += max(0.0, self.deadline - time.perf_counter())
-        wait_until(self.deadline)
+        remaining = self.deadline - time.perf_counter()
+        if remaining > 0:
+            self.comm.exposed_s += remaining
+            wait_until(self.deadline)
         return self.result
 
 
@@ -214,7 +218,13 @@ class EmulatedCommunicator:
         self.exposed_s = 0.0  # of it, what was still in flight when wait() was called (CPU only)
         self.count = 0
         self.transfers: list[tuple[float, float]] | None = None  # (start, end) of each, when a trace wants them
-        if device.type == "cuda":
+        # Every eager all-reduce runs this class's Python between two of the model's matrix products,
+        # where the interpreter runs cold, and upper bound runs none of it: kept short (on this 2-core
+        # CPU, 11 us an all-reduce inside a llama-160m step, down from 21). Durations are looked up by
+        # message size (a model sends few sizes; link and scale are fixed at construction).
+        self.on_cuda = device.type == "cuda"
+        self._duration_of_bytes: dict[int, float] = {}
+        if self.on_cuda:
             self.side_stream = torch.cuda.Stream(device)
             self.cycles_per_s = _sleep_cycles_per_second(device)
 
@@ -227,16 +237,21 @@ class EmulatedCommunicator:
         """The share of the modelled communication that overlapped compute, measured inside the run:
         1 - (still in flight at wait()) / modelled. Immune to the machine's speed drifting between runs,
         unlike comparing whole runs of different layouts. On CUDA the host cannot see it (the waits are on the GPU)."""
-        if self.device.type == "cuda" or self.modelled_s == 0:
+        if self.on_cuda or self.modelled_s == 0:
             return None
         return 1.0 - self.exposed_s / self.modelled_s
 
     def duration_s(self, x: torch.Tensor) -> float:
-        return self.link.all_reduce_s(x.numel() * x.element_size(), self.world_size) * self.scale
+        n_bytes = x.numel() * x.element_size()
+        duration = self._duration_of_bytes.get(n_bytes)
+        if duration is None:
+            duration = self.link.all_reduce_s(n_bytes, self.world_size) * self.scale
+            self._duration_of_bytes[n_bytes] = duration
+        return duration
 
     def all_reduce_async(self, x: torch.Tensor) -> Handle:
         # Eager calls the Python directly: through the custom ops a launch and its wait cost ~100 us
-        # instead of ~5 us on a CPU, a cost charged to the layouts that communicate.
+        # instead of ~5 us on a CPU (measured alone), a cost charged to the layouts that communicate.
         if torch.compiler.is_compiling():
             return _TracedHandle(torch.ops.ladder.emulated_all_reduce(x, self.comm_id), self.comm_id)
         return self._launch(x)
@@ -245,9 +260,10 @@ class EmulatedCommunicator:
         duration = self.duration_s(x)
         self.modelled_s += duration
         self.count += 1
-        if self.device.type == "cuda":
+        if self.on_cuda:
             return self._cuda_sleep(x, duration)
-        start = max(time.perf_counter(), self.link_free_at)
+        now = time.perf_counter()
+        start = now if now > self.link_free_at else self.link_free_at
         self.link_free_at = start + duration
         if self.transfers is not None:
             self.transfers.append((start, self.link_free_at))
