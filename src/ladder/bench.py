@@ -608,8 +608,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             pooled.setdefault(group_key(r), {}).setdefault(layout_label(r), []).append(r)
     rows = []
     for key, by_layout in pooled.items():
-        tps = {label: statistics.median(x for r in rs for x in r.get("tokens_per_s_runs") or [r["tokens_per_s"]])
-               for label, rs in by_layout.items()}
+        tps = {label: pooled_tokens_per_s(rs) for label, rs in by_layout.items()}
         seconds = {label: key[4] * key[6] / value for label, value in tps.items()}  # batch * gen_len / tokens/s
         for label, rs in by_layout.items():
             row = {"preset": key[0], "interconnect": key[1], "link": link_label(rs[0]), "emulated": rs[0]["emulated"],
@@ -627,6 +626,11 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def pooled_tokens_per_s(records: Sequence[dict[str, Any]]) -> float:
+    """The median over every measured run of records of one layout and configuration."""
+    return statistics.median(x for r in records for x in r.get("tokens_per_s_runs") or [r["tokens_per_s"]])
+
+
 def hidden_fraction(t_standard: float, t_ladder: float, t_upper_bound: float) -> float | None:
     """The share of standard's communication time that ladder hides; None when there is none to hide."""
     if t_standard <= t_upper_bound:
@@ -638,9 +642,8 @@ def _hidden_per_round(by_layout: dict[str, list[dict[str, Any]]], label: str, to
     """The whole-run hidden fraction of each round on its own (its spread shows what pooling resolves);
     empty unless there are several rounds."""
     def seconds(layout: str, round_: int) -> float | None:
-        runs = [x for r in by_layout[layout] if r.get("round", 0) == round_
-                for x in r.get("tokens_per_s_runs") or [r["tokens_per_s"]]]
-        return tokens / statistics.median(runs) if runs else None
+        records = [r for r in by_layout[layout] if r.get("round", 0) == round_]
+        return tokens / pooled_tokens_per_s(records) if records else None
 
     rounds = sorted({r.get("round", 0) for r in by_layout[label]})
     out = []

@@ -297,18 +297,18 @@ class UnseenSetting:
     description: str
 
 
-UNSEEN_SETTINGS = {
-    "llama-3-8b": UnseenSetting(
+UNSEEN_SETTINGS = {setting.name: setting for setting in (
+    UnseenSetting(
         "llama-3-8b", "data/llama3-8b-h100-tp8-speedups.csv", {"on": P2P_LINKS["on"]},
         "a shape never fitted: the paper's llama-3-8b speedups over standard, h100 x8, nvlink"),
     # Two nodes of 8: every all-reduce crosses InfiniBand (with P2P) or, with NCCL_P2P_DISABLE=1,
     # also goes through host memory inside each node, the condition pcie-no-p2p was fitted on.
-    "llama-3.1-405b": UnseenSetting(
+    UnseenSetting(
         "llama-3.1-405b", "data/llama3.1-405b-h100-tp16-speedups.csv",
         {"on": "infiniband-ndr", "off": P2P_LINKS["off"]},
         "a shape and a link never fitted: the paper's llama-3.1-405b speedups, h100 x16 on two nodes,\n"
         "p2p on predicted with infiniband-ndr (a datasheet preset), off with pcie-no-p2p"),
-}
+)}
 
 
 def validate_unseen(setting: UnseenSetting, constants: CostConstants | None = None,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ladder.bench import layout_label, link_label
+from ladder.bench import layout_label, link_label, pooled_tokens_per_s
 from ladder.errors import LadderError
 
 COLORS = {"standard": "tab:gray", "parallel": "tab:blue", "ladder": "tab:red", "desync": "tab:purple",
@@ -61,7 +61,7 @@ def _pooled_points(ok: list[dict[str, Any]]) -> dict[Panel, list[_Point]]:
         known = [x for x in latencies if x is not None]
         panels[panel].append(_Point(
             layout, tp, batch,
-            tokens_per_s=statistics.median(x for r in rs for x in r.get("tokens_per_s_runs") or [r["tokens_per_s"]]),
+            tokens_per_s=pooled_tokens_per_s(rs),
             latency_ms=statistics.median(known) if known else None,
             records=[(r["tokens_per_s"], latency) for r, latency in zip(rs, latencies)]))
     return dict(sorted(panels.items()))

@@ -331,8 +331,7 @@ def check_out_dir_is_shared(out_dir: Path, rank: int, world: int) -> None:
         sees = marker.read_text() == name[0]
     except OSError:
         sees = False
-    everyone: list[Any] = from_every_rank((sees, socket.gethostname()))
-    dist.barrier()
+    everyone: list[Any] = from_every_rank((sees, socket.gethostname()))  # (after every rank's read)
     if rank == 0:
         marker.unlink()
     blind = next((r for r, (saw, _) in enumerate(everyone) if not saw), None)
