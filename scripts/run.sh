@@ -15,14 +15,14 @@ bash scripts/setup.sh
 out=${LADDER_RESULTS:-results/cpu}
 mkdir -p "$out"
 [ -f "$out/bench.jsonl" ] && mv "$out/bench.jsonl" "$out/bench.previous.jsonl"
-# This shared CPU drifts by +-10 % over minutes, so the layouts of a configuration are measured
-# together, taking turns run by run (--interleave), and again in fresh workers (--rounds); the summary
-# pools every run of a layout.
-.venv/bin/ladder bench --interconnect real --tp 2 --runs 4 --rounds 2 --interleave --out "$out/bench.jsonl" "$@"
+# This shared CPU drifts by +-10 % over seconds to minutes, so the layouts of a configuration are
+# measured together, taking turns step by step (--interleave steps), and again in fresh workers
+# (--rounds); the summary pools every run of a layout.
+.venv/bin/ladder bench --interconnect real --tp 2 --runs 4 --rounds 2 --interleave steps --out "$out/bench.jsonl" "$@"
 .venv/bin/ladder bench --interconnect pcie-no-p2p --link-scale 10 --tp 4 --batch-sizes 1 --runs 5 --rounds 3 \
-    --interleave --out "$out/bench.jsonl" "$@"
+    --interleave steps --out "$out/bench.jsonl" "$@"
 .venv/bin/ladder bench --interconnect pcie-no-p2p --link-scale 25 --tp 4 --batch-sizes 4 --runs 5 --rounds 3 \
-    --interleave --out "$out/bench.jsonl" "$@"
+    --interleave steps --out "$out/bench.jsonl" "$@"
 .venv/bin/ladder bench plot "$out/bench.jsonl"
 .venv/bin/ladder predict --preset llama-3-70b --gpu h100 --interconnect nvlink-h100 --tp 8
 .venv/bin/ladder predict --validate

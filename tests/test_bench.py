@@ -214,7 +214,7 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     with out.open("a") as f:
         f.write('{"schema": 1, "status": "ok", "layout": "lad')  # a record cut short by a killed run
     measured, run_group = [], bench.run_group
-    monkeypatch.setattr(bench, "run_group", lambda group: measured.extend(group) or run_group(group))
+    monkeypatch.setattr(bench, "run_group", lambda group, *how: measured.extend(group) or run_group(group, *how))
     again = run_sweep(points, out, progress=False, done=measured_already(out))
     assert [(p.preset, p.layout) for p in measured] == [("tiny", "ladder"), ("llama-3.1-405b", "ladder")]
     assert [r["layout"] for r in again] == ["standard", "ladder", "ladder"]
@@ -256,7 +256,7 @@ def test_interleaved_sweep_takes_turns_with_separate_link_accounts(tmp_path):
     layouts = ["standard", "parallel", "ladder", "upper-bound"]
     link = LinkModel("test", latency_us=300.0, bandwidth_gbps=1.0)
     points = sweep_points(["tiny"], layouts, [2], [2], [None, link], prompt_len=8, gen_len=4, runs=3)
-    records = run_sweep(points, tmp_path / "r.jsonl", progress=False, interleave=True)
+    records = run_sweep(points, tmp_path / "r.jsonl", progress=False, interleave="runs")
     assert [r["status"] for r in records] == ["ok"] * 8 and len(read_results(tmp_path / "r.jsonl")) == 8
     for group in (records[:4], records[4:]):  # real gloo, then the emulated link
         assert [r["layout"] for r in group] == layouts
@@ -271,6 +271,46 @@ def test_interleaved_sweep_takes_turns_with_separate_link_accounts(tmp_path):
     assert emulated["parallel"]["all_reduces_per_run"] == 4 * 1 * 4
     assert emulated["upper-bound"]["all_reduces_per_run"] == 0
     assert emulated["ladder"]["hidden_in_run"] > emulated["standard"]["hidden_in_run"]
+
+
+def test_step_interleaved_sweep_records_each_layouts_own_steps(tmp_path):
+    layouts = ["standard", "ladder", "upper-bound"]
+    link = LinkModel("test", latency_us=300.0, bandwidth_gbps=1.0)
+    points = sweep_points(["tiny"], layouts, [2], [2], [None, link], prompt_len=8, gen_len=4, runs=2)
+    records = run_sweep(points, tmp_path / "r.jsonl", progress=False, interleave="steps")
+    assert [r["status"] for r in records] == ["ok"] * 6  # real gloo (both ranks step in one order), emulated
+    assert all(r["interleaved"] == {"layouts": layouts, "by": "steps"} for r in records)
+    by_layout = {r["layout"]: r for r in records[3:]}
+    assert by_layout["standard"]["all_reduces_per_run"] == 4 * 2 * 4  # its own link account, as by runs
+    assert by_layout["upper-bound"]["all_reduces_per_run"] == 0
+    assert by_layout["ladder"]["hidden_in_run"] > by_layout["standard"]["hidden_in_run"]
+    with pytest.raises(LadderError, match="--interleave takes runs or steps, not 'tokens'"):
+        run_sweep(points, tmp_path / "r.jsonl", progress=False, interleave="tokens")
+
+
+def test_generations_in_turns_keep_their_own_caches_samples_and_clocks():
+    """Three layouts stepped in turns produce the tokens each produces alone (separate KV caches and
+    random streams), and each result times its own steps only: upper bound's decode time excludes
+    the 5 ms waits of standard's all-reduces that ran between its steps (24 of them in all)."""
+    from ladder.config import get_preset
+    from ladder.engine import Engine, SamplingParams
+    from ladder.weights import random_model, share_weights
+
+    cpu = torch.device("cpu")
+    link = LinkModel("slow", latency_us=5000.0, bandwidth_gbps=1.0)
+    comms = [EmulatedCommunicator(link, 2, cpu) for _ in range(3)]
+    standard = random_model(get_preset("tiny", layout="standard"), comms[0], cpu, seed=3)
+    others = [share_weights(get_preset("tiny", layout=layout), comm, standard)
+              for layout, comm in zip(["ladder", "upper-bound"], comms[1:])]
+    engines = [Engine(model) for model in [standard, *others]]
+    prompt, sampling = torch.tensor([[5, 17, 42, 7], [9, 3, 200, 1]]), SamplingParams(temperature=0.8, seed=4)
+    alone = [engine.generate(prompt, 4, sampling) for engine in engines]
+    in_turns = bench.generate_in_turns(engines, prompt, 4, sampling, shift=1)
+    assert [r.tokens for r in in_turns] == [r.tokens for r in alone]
+    assert all(len(r.token_latencies_s) == 3 for r in in_turns)
+    standard_waits_s = 3 * 2 * 2 * 5e-3  # 3 decode steps x 2 layers x 2 all-reduces x 5 ms
+    assert in_turns[0].decode_s >= standard_waits_s
+    assert in_turns[2].decode_s < standard_waits_s / 2
 
 
 def test_layouts_with_the_same_parameters_share_one_copy():

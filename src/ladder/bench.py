@@ -12,13 +12,16 @@ everything measured so far. A configuration that fails (out of memory, a crash) 
 
 `--interleave` measures the layouts of one configuration in one set of workers instead, taking turns
 run by run, so that a shared machine's drift (+-10 % over minutes on a 2-core VM) hits every layout
-alike; their results are appended together when the group ends.
+alike; their results are appended together when the group ends. `--interleave steps` takes turns step
+by step (every layout's prefill, then every layout's first decode step, ...): drift over seconds
+then hits them alike too, and each layout's run time is the sum of its own steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -156,11 +159,15 @@ def check_fits(group: Sequence[BenchPoint], device: torch.device) -> None:
 
 # ---- one configuration (or a group measured together), on each rank --------------------------------
 
-def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
+INTERLEAVE_MODES = ("runs", "steps")
+
+
+def bench_on_rank(group: Sequence[BenchPoint], interleave: str = "runs") -> list[dict[str, Any]] | None:
     """Measure configurations that differ only in layout, in one set of workers; returns their
     results on rank 0, None on the others. With several, the measured runs take turns (standard,
     ladder, upper-bound, ladder, upper-bound, standard, ...) so that the machine's drift hits every
-    layout alike; warm-up runs of every layout come first."""
+    layout alike, or with `interleave="steps"` their steps do (`generate_in_turns`); warm-up runs of
+    every layout come first."""
     from ladder.distributed import init_distributed, pick_device, shutdown_distributed
     from ladder.launch import under_torchrun
     from ladder.engine import Engine, SamplingParams, synchronize
@@ -196,6 +203,10 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
         runs: list[list[Any]] = [[] for _ in group]
         turns: list[list[int]] = [[] for _ in group]  # when each run happened, in the group's order
         for i in range(first.runs):
+            if interleave == "steps" and len(group) > 1:
+                for j, run in enumerate(generate_in_turns(engines, prompt, first.gen_len, sampling, shift=i)):
+                    runs[j].append(run)
+                continue
             for turn, j in enumerate(_rotated(range(len(group)), i), start=i * len(group)):
                 synchronize(device)
                 turns[j].append(turn)
@@ -208,8 +219,9 @@ def bench_on_rank(group: Sequence[BenchPoint]) -> list[dict[str, Any]] | None:
         for j, point in enumerate(group):
             result = _result(point, configs[j], models[j], device, dtype, runs[j], comms[j])
             if len(group) > 1:
-                result["interleaved"] = {"layouts": [layout_label(p.describe()) for p in group],
-                                         "turns": turns[j]}
+                result["interleaved"] = {"layouts": [layout_label(p.describe()) for p in group], "by": interleave}
+                if interleave == "runs":
+                    result["interleaved"]["turns"] = turns[j]
                 result["peak_memory_kind"] += " (all layouts of the group)"
             if traces[j] is not None:
                 result["trace"] = traces[j]
@@ -259,6 +271,21 @@ def agree_on_measured_already(done: dict[str, dict[str, Any]], points: Sequence[
     box = [done]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def generate_in_turns(engines: Sequence[Any], prompt: torch.Tensor, gen_len: int, sampling: Any,
+                      shift: int = 0) -> list[Any]:
+    """One generation per engine (one per layout, each with its own KV cache), stepped in turns: every
+    prefill, then every first decode step, and so on; each turn in an order rotated by one from the
+    last, so that no layout always follows the same one. Each result times only its own steps."""
+    generations = [engine.start(prompt, gen_len, sampling) for engine in engines]
+    for turn in itertools.count(shift):
+        if all(g.finished for g in generations):
+            break
+        for j in _rotated(range(len(generations)), turn):
+            if not generations[j].finished:
+                generations[j].step()
+    return [g.result() for g in generations]
 
 
 def _rotated(items: range, shift: int) -> list[int]:
@@ -434,7 +461,7 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
     return points
 
 
-def run_group(group: Sequence[BenchPoint]) -> list[dict[str, Any]]:
+def run_group(group: Sequence[BenchPoint], interleave: str = "runs") -> list[dict[str, Any]]:
     """Measure one configuration, or several measured together, in fresh worker processes; a failure
     becomes a `failed` record for each of them."""
     from ladder.launch import launch, under_torchrun
@@ -443,9 +470,9 @@ def run_group(group: Sequence[BenchPoint]) -> list[dict[str, Any]]:
     nproc = 1 if first.emulated else first.tp
     try:
         if under_torchrun() and first.emulated:
-            results = bench_on_rank(group)  # every rank measures its own copy; rank 0 reports
+            results = bench_on_rank(group, interleave)  # every rank measures its own copy; rank 0 reports
         else:
-            results = launch(bench_on_rank, nproc, group, isolate=True).get(0)
+            results = launch(bench_on_rank, nproc, group, interleave, isolate=True).get(0)
     except RanksDisagree:
         raise  # every configuration after this one would be mismatched too
     except LadderError as exc:
@@ -499,10 +526,11 @@ def measured_already(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds: int = 1,
-              interleave: bool = False, done: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+              interleave: str | None = None, done: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Measure every point, `rounds` times over: round-robin, so that a slow spell of a shared machine
     hits every layout alike instead of biasing whichever configuration ran during it. `interleave`:
-    the layouts of a configuration share one set of workers and take turns run by run (finer still).
+    "runs" or "steps": the layouts of a configuration share one set of workers and take turns run by
+    run or step by step (finer still).
     `done` (`measured_already(out)`, to resume): points (and rounds) with a record there are not
     measured again; their records are returned with the new ones (an interrupted sweep, or one cut
     into time-limited jobs)."""
@@ -513,6 +541,8 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
 
     if rounds < 1:
         raise LadderError(f"--rounds must be at least 1, got {rounds}")
+    if interleave not in (None, *INTERLEAVE_MODES):
+        raise LadderError(f"--interleave takes {' or '.join(INTERLEAVE_MODES)}, not {interleave!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
     points = [p.with_dtype_resolved() for p in points]
     is_main = int(os.environ.get("RANK", "0")) == 0
@@ -535,7 +565,7 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
                 layouts = "+".join(p.layout for p in group)
                 bar.set_postfix_str(f"{first.preset} {layouts} tp={first.tp} bs={first.batch_size} "
                                     f"{first.interconnect}" + (f" round {i + 1}/{rounds}" if rounds > 1 else ""))
-                for record in run_group(group):
+                for record in run_group(group, interleave or "runs"):
                     if not is_main:
                         continue
                     record["round"] = i

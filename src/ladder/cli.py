@@ -299,7 +299,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print_rank0(f"ladder bench: {len(points)} configurations, {weights}, prompt {args.prompt_len}, "
                 f"{args.gen_len} new tokens, {args.warmup} warm-up + {args.runs} measured runs each"
                 + (f", {args.rounds} rounds" if args.rounds > 1 else "")
-                + (", layouts interleaved run by run" if args.interleave else "") + f" -> {out}")
+                + {"runs": ", layouts interleaved run by run", "steps": ", layouts interleaved step by step"}.get(
+                    args.interleave, "") + f" -> {out}")
     for link in links:
         if link is not None:
             print_rank0(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us "
@@ -493,9 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=int, default=BENCH_DEFAULTS["runs"], help="measured runs")
     b.add_argument("--rounds", type=int, default=1,
                    help="repeat the sweep, configurations interleaved; the summary pools every round")
-    b.add_argument("--interleave", action="store_true",
+    b.add_argument("--interleave", nargs="?", const="runs", choices=("runs", "steps"),
                    help="measure the layouts of each configuration in one set of workers, taking turns run by "
-                        "run, so a noisy machine's drift hits them alike (weights shared where layouts allow)")
+                        "run (or step by step: --interleave steps), so a noisy machine's drift hits them alike "
+                        "(weights shared where layouts allow)")
     b.add_argument("--interconnect", default=BENCH_DEFAULTS["interconnect"],
                    help="real (torch.distributed), nvlink-h100, pcie-p2p, pcie-no-p2p, infiniband-ndr or "
                         "custom; comma-separated to compare")

@@ -95,6 +95,16 @@ class Engine:
                  sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                  on_token: TokenCallback | None = None, max_seq: int | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` for each row of `prompt` (B, T): equal-length prompts."""
+        generation = self.start(prompt, max_new_tokens, sampling, stop_ids, on_token, max_seq)
+        while not generation.finished:
+            generation.step()
+        return generation.result()
+
+    @torch.inference_mode()
+    def start(self, prompt: torch.Tensor, max_new_tokens: int,
+              sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
+              on_token: TokenCallback | None = None, max_seq: int | None = None) -> Generation:
+        """A generation that runs when stepped (`Generation.step`); `generate` steps it to the end."""
         if prompt.dim() != 2 or prompt.shape[1] == 0:
             raise LadderError("prompt must be a non-empty (batch, length) tensor of token ids")
         if max_new_tokens < 1:
@@ -113,41 +123,63 @@ class Engine:
             raise LadderError(f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} exceeds "
                               f"the KV cache of {max_seq} tokens")
         self.model.setup_caches(B, max_seq)
-        prompt = prompt.to(self.device)
-        generator = None
+        return Generation(self, prompt.to(self.device), max_new_tokens, sampling, stop_ids, on_token)
+
+
+class Generation:
+    """One generation, advanced one step at a time: the prefill, then one decode step per new token.
+
+    `Engine.generate` steps one to the end. A benchmark can step several, one per model, in turns,
+    so that a machine whose speed drifts slows them alike; each keeps the time of its own steps. Two
+    generations of one model cannot take turns: they would share its KV cache.
+    """
+
+    def __init__(self, engine: Engine, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
+                 stop_ids: Sequence[int], on_token: TokenCallback | None) -> None:
+        self.engine, self.prompt, self.max_new_tokens = engine, prompt, max_new_tokens
+        self.sampling, self.stop_ids, self.on_token = sampling, stop_ids, on_token
+        self.generator = None
         if sampling.temperature > 0:
-            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+            self.generator = torch.Generator(device=engine.device).manual_seed(sampling.seed)
+        self.stop = torch.tensor(list(stop_ids), dtype=torch.long, device=engine.device)
+        self.out: list[torch.Tensor] = []  # the sampled token columns (B,)
+        self.done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=engine.device)
+        self.finished = False
+        self.prefill_s = 0.0
+        self.decode_s = 0.0  # the decode steps' own time, bookkeeping and callbacks included
+        self.latencies: list[float] = []  # per decode step: the model and sampling, synchronised
 
-        synchronize(self.device)
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Run the next step (the prefill first), synchronised: its time is its own."""
+        if self.finished:
+            raise RuntimeError("this generation is finished")
+        device, model, (B, T) = self.engine.device, self.engine.model, self.prompt.shape
+        synchronize(device)
         start = time.perf_counter()
-        logits = self.model(prompt, torch.arange(T, device=self.device), last_only=True)[:, -1]  # (B, V)
-        token = sample(logits, sampling, generator)  # (B,)
-        synchronize(self.device)
-        prefill_s = time.perf_counter() - start
+        if not self.out:
+            logits = model(self.prompt, torch.arange(T, device=device), last_only=True)[:, -1]  # (B, V)
+            token = sample(logits, self.sampling, self.generator)  # (B,)
+            synchronize(device)
+            self.prefill_s = time.perf_counter() - start
+        else:
+            input_pos = torch.tensor([T + len(self.out) - 1], device=device)
+            logits = self.engine._decode(self.out[-1].view(B, 1).clone(), input_pos)
+            token = sample(logits, self.sampling, self.generator)
+            token = torch.where(self.done, self.out[-1], token)  # finished rows repeat their stop token
+            synchronize(device)
+            self.latencies.append(time.perf_counter() - start)
+        self.out.append(token)
+        self.done |= torch.isin(token, self.stop)
+        if self.on_token:
+            self.on_token(token)
+        self.finished = len(self.out) == self.max_new_tokens or bool(self.done.all())
+        if len(self.out) > 1:
+            self.decode_s += time.perf_counter() - start
 
-        stop = torch.tensor(list(stop_ids), dtype=torch.long, device=self.device)
-        out = [token]
-        done = torch.isin(token, stop)
-        if on_token:
-            on_token(token)
-        latencies: list[float] = []
-        decode_start = time.perf_counter()
-        for step in range(1, max_new_tokens):
-            if bool(done.all()):
-                break
-            t0 = time.perf_counter()
-            input_pos = torch.tensor([T + step - 1], device=self.device)
-            logits = self._decode(token.view(B, 1).clone(), input_pos)
-            token = sample(logits, sampling, generator)
-            token = torch.where(done, out[-1], token)  # finished rows repeat their stop token
-            synchronize(self.device)
-            latencies.append(time.perf_counter() - t0)
-            out.append(token)
-            done |= torch.isin(token, stop)
-            if on_token:
-                on_token(token)
-        decode_s = time.perf_counter() - decode_start
-        return GenerationResult(_trim(torch.stack(out, dim=1), stop_ids), prefill_s, decode_s, latencies)
+    def result(self) -> GenerationResult:
+        return GenerationResult(_trim(torch.stack(self.out, dim=1), self.stop_ids), self.prefill_s,
+                                self.decode_s, self.latencies)
 
 
 def _trim(tokens: torch.Tensor, stop_ids: Sequence[int]) -> list[list[int]]:
