@@ -3,6 +3,7 @@
 import json
 import socket
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -113,10 +114,21 @@ def test_plot_files(sweep, tmp_path):
 
 
 # Waits are sleeps on a real clock: a wait overshoots by scheduler latency (tens of microseconds on an
-# idle machine, ~2 ms seen on a fully loaded 2-core box), never undershoots. Waits of ~30 ms with
-# 10 % + 2 ms of slack absorb that, while a modelling error (e.g. a missing ring factor, +-30 %) fails.
+# idle machine, ~2 ms seen on a fully loaded 2-core box, once 8 ms), never undershoots. So each check
+# takes the fastest of three tries (noise only adds), with 10 % + 2 ms of slack on waits of ~30 ms,
+# while a modelling error (e.g. a missing ring factor, +-30 %) fails every try.
 def _close(measured: float, modelled: float) -> bool:
     return modelled <= measured + 1e-4 and measured <= modelled * 1.1 + 2e-3
+
+
+def _fastest_of_three(timed: Callable[[], None]) -> float:
+    """The shortest wall time of three calls of `timed`."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        timed()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def test_emulated_wait_matches_the_link_model():
@@ -125,10 +137,7 @@ def test_emulated_wait_matches_the_link_model():
     x = torch.zeros(1024, 1024)  # 4 MiB: 20 ms + 2 x 1 ms + 1.5 * 4 MiB / 0.5 GB/s = 34.6 ms
     modelled = link.all_reduce_s(x.numel() * 4, 4)
     assert modelled == pytest.approx(22e-3 + 1.5 * 4 * 2**20 / 0.5e9)
-    for _ in range(3):
-        start = time.perf_counter()
-        comm.all_reduce(x)
-        assert _close(time.perf_counter() - start, modelled)
+    assert _close(_fastest_of_three(lambda: comm.all_reduce(x)), modelled)
 
 
 def test_emulated_link_overlaps_compute_and_serialises_collectives():
@@ -136,16 +145,19 @@ def test_emulated_link_overlaps_compute_and_serialises_collectives():
     comm = EmulatedCommunicator(link, world_size=2, device=torch.device("cpu"))
     x = torch.zeros(16)
     d = link.all_reduce_s(64, 2)
-    start = time.perf_counter()
-    handle = comm.all_reduce_async(x)
-    wait_until(start + 0.6 * d)  # "compute" for 60 % of the all-reduce
-    handle.wait()
-    assert _close(time.perf_counter() - start, d)  # hidden: d, not 1.6 d
-    start = time.perf_counter()
-    first, second = comm.all_reduce_async(x), comm.all_reduce_async(x)
-    first.wait()
-    second.wait()
-    assert _close(time.perf_counter() - start, 2 * d)  # one link: the second waits for the first
+
+    def overlapped() -> None:
+        handle = comm.all_reduce_async(x)
+        wait_until(time.perf_counter() + 0.6 * d)  # "compute" for 60 % of the all-reduce
+        handle.wait()
+
+    def two_in_a_row() -> None:
+        first, second = comm.all_reduce_async(x), comm.all_reduce_async(x)
+        first.wait()
+        second.wait()
+
+    assert _close(_fastest_of_three(overlapped), d)  # hidden: d, not 1.6 d
+    assert _close(_fastest_of_three(two_in_a_row), 2 * d)  # one link: the second waits for the first
 
 
 def test_emulated_link_counts_only_communication_compute_did_not_hide():
