@@ -34,13 +34,16 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ladder.config import ModelConfig, get_preset
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel
+
+if TYPE_CHECKING:  # for annotations only: bench_on_rank imports the engine when a benchmark runs
+    from ladder.engine import Engine, GenerationResult, SamplingParams
 
 SCHEMA_VERSION = 1
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -206,11 +209,11 @@ def bench_on_rank(group: Sequence[BenchPoint], interleave: str = "runs") -> list
             if interleave == "steps" and len(group) > 1:
                 for j, run in enumerate(generate_in_turns(engines, prompt, first.gen_len, sampling, shift=i)):
                     runs[j].append(run)
-                continue
-            for turn, j in enumerate(_rotated(range(len(group)), i), start=i * len(group)):
-                synchronize(device)
-                turns[j].append(turn)
-                runs[j].append(engines[j].generate(prompt, first.gen_len, sampling))
+            else:
+                for turn, j in enumerate(_rotated(range(len(group)), i), start=i * len(group)):
+                    synchronize(device)
+                    turns[j].append(turn)
+                    runs[j].append(engines[j].generate(prompt, first.gen_len, sampling))
         traces = [_profile(p, e, prompt, sampling, c, rank) if p.profile_dir else None
                   for p, e, c in zip(group, engines, comms)]
         if rank != 0:
@@ -273,8 +276,8 @@ def agree_on_measured_already(done: dict[str, dict[str, Any]], points: Sequence[
     return box[0]
 
 
-def generate_in_turns(engines: Sequence[Any], prompt: torch.Tensor, gen_len: int, sampling: Any,
-                      shift: int = 0) -> list[Any]:
+def generate_in_turns(engines: Sequence[Engine], prompt: torch.Tensor, gen_len: int, sampling: SamplingParams,
+                      shift: int = 0) -> list[GenerationResult]:
     """One generation per engine (one per layout, each with its own KV cache), stepped in turns: every
     prefill, then every first decode step, and so on; each turn in an order rotated by one from the
     last, so that no layout always follows the same one. Each result times only its own steps."""
