@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ladder import bench
-from ladder.bench import BenchPoint, measured_already, read_results, run_sweep, summarise, sweep_points
+from ladder.bench import (BenchPoint, format_summary, measured_already, read_results, run_sweep, summarise,
+                          sweep_points)
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
 
@@ -84,6 +85,30 @@ def test_summary_pools_rounds():
         return (8 / std - 8 / lad) / (8 / std - 8 / ub)
 
     assert rows["ladder"]["hidden_rounds"] == pytest.approx([hidden(10, 13, 20), hidden(10.5, 19, 20.5)])
+    lo, hi = rows["ladder"]["hidden_interval"]
+    assert lo <= rows["ladder"]["hidden"] <= hi and hi - lo > 0.1  # runs this far apart leave it uncertain
+    assert f"{lo:.2f}..{hi:.2f}" in format_summary(list(rows.values()))
+
+
+def test_hidden_interval_resamples_interleaved_runs_together():
+    from ladder.bench import hidden_interval
+
+    # Every turn hides exactly 0.9 of standard's communication, but the machine's speed drifts from
+    # turn to turn (x0.7 .. x1.3), as on a busy VM; the layouts took turns, so each turn's drift hit all three.
+    drift = [0.7, 1.3, 0.85, 1.15, 1.0, 0.75, 1.25, 0.95]
+    t_standard, t_upper = 2.0, 1.0
+    t_ladder = t_standard - 0.9 * (t_standard - t_upper)
+
+    def records(t: float, interleaved: bool) -> list[dict]:
+        return [{"tokens_per_s_runs": [1 / (t / d) for d in drift], "tokens_per_s": 1.0, "round": 0}
+                | ({"interleaved": {"by": "steps"}} if interleaved else {})]
+
+    paired = hidden_interval([records(t, True) for t in (t_standard, t_ladder, t_upper)])
+    assert paired == pytest.approx((0.9, 0.9))
+    # The same numbers measured one layout after another: the drift is noise, and the interval says so.
+    lo, hi = hidden_interval([records(t, False) for t in (t_standard, t_ladder, t_upper)])
+    assert lo < 0.8 and hi > 1.0
+    assert hidden_interval([records(t, False) for t in (t_standard, t_ladder, t_upper)]) == (lo, hi)  # seeded
 
 
 def test_plots_pool_records_as_the_summary_does():

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import random
 import resource
 import socket
 import statistics
@@ -652,6 +653,8 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 if label.startswith("ladder") and "upper-bound" in tps and key[3] > 1:  # TP 1: nothing to hide
                     row["hidden"] = hidden_fraction(seconds["standard"], seconds[label], seconds["upper-bound"])
                     row["hidden_rounds"] = _hidden_per_round(by_layout, label, key[4] * key[6])
+                    row["hidden_interval"] = hidden_interval(
+                        [by_layout[name] for name in ("standard", label, "upper-bound")])
             rows.append(row)
     order = {"standard": 0, "parallel": 1, "ladder": 2, "desync": 3, "upper-bound": 4}
     rows.sort(key=lambda r: (r["preset"], r["link"], r["tp"], r["batch_size"],
@@ -687,6 +690,46 @@ def _hidden_per_round(by_layout: dict[str, list[dict[str, Any]]], label: str, to
     return out
 
 
+HIDDEN_CONFIDENCE = 0.95
+
+
+def hidden_interval(layouts: Sequence[Sequence[dict[str, Any]]], resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """A 95 % percentile-bootstrap interval of the pooled whole-run hidden fraction, from the records of
+    standard, ladder and upper bound (in that order) of one configuration: how far the noise of the
+    measured runs leaves the figure uncertain. When the layouts took turns (`--interleave`), run i of
+    each was measured side by side and shares the machine's drift, so runs are resampled as triples;
+    otherwise each layout's runs are resampled on their own. Deterministic (a fixed seed)."""
+    runs = [_runs_by_turn(records) for records in layouts]
+    if not all(runs):
+        return None
+    paired = (all(r.get("interleaved") for records in layouts for r in records)
+              and runs[0].keys() == runs[1].keys() == runs[2].keys())
+    rng = random.Random(seed)
+    turns = [sorted(r) for r in runs]
+    estimates = []
+    for _ in range(resamples):
+        if paired:
+            drawn = rng.choices(turns[0], k=len(turns[0]))
+            picks = [drawn] * 3
+        else:
+            picks = [rng.choices(t, k=len(t)) for t in turns]
+        seconds = [1.0 / statistics.median(r[turn] for turn in pick) for r, pick in zip(runs, picks)]
+        if (h := hidden_fraction(*seconds)) is not None:
+            estimates.append(h)
+    if len(estimates) < resamples / 2:  # communication indistinguishable from noise: no interval to give
+        return None
+    estimates.sort()
+    tail = (1 - HIDDEN_CONFIDENCE) / 2
+    return estimates[int(tail * (len(estimates) - 1))], estimates[math.ceil((1 - tail) * (len(estimates) - 1))]
+
+
+def _runs_by_turn(records: Sequence[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    """tokens/s of each measured run, keyed by (round, run index): the turn it was measured in."""
+    return {(r.get("round", 0), i): x for r in records
+            for i, x in enumerate(r.get("tokens_per_s_runs") or [r["tokens_per_s"]])}
+
+
 def _pooled_in_run(records: list[dict[str, Any]]) -> float | None:
     """1 - exposed / modelled communication over every measured run of an emulated configuration."""
     measured = [r for r in records if r.get("hidden_in_run") is not None and r.get("modelled_comm_s_per_run")]
@@ -694,33 +737,36 @@ def _pooled_in_run(records: list[dict[str, Any]]) -> float | None:
     return 1.0 - sum(r["exposed_comm_s_per_run"] for r in measured) / modelled if modelled else None
 
 
-def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str, str, str]:
+def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
     speed = f"{r['speedup']:.3f}" if r["speedup"] is not None else "-"
     hidden = f"{r['hidden']:.2f}" if r["hidden"] is not None else ""
+    interval = r.get("hidden_interval")
+    confidence = f"{interval[0]:.2f}..{interval[1]:.2f}" if interval else ""
     rounds = r.get("hidden_rounds") or []
     spread = f"{min(rounds):.2f}..{max(rounds):.2f}" if rounds else ""
     in_run = f"{r['hidden_in_run']:.2f}" if r.get("hidden_in_run") is not None else ""
-    return r["link"], speed, hidden, spread, in_run
+    return r["link"], speed, hidden, confidence, spread, in_run
 
 
 def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     """`hidden`: from whole runs, (t_standard - t) / (t_standard - t_upper_bound), every round pooled;
-    `rounds`: the lowest and highest of it over the rounds taken one by one; `in run`: measured inside
-    each emulated run, the share of the modelled communication that was over before compute needed it."""
+    `95% CI`: its bootstrap interval over the measured runs (`hidden_interval`); `rounds`: the lowest
+    and highest of it over the rounds taken one by one; `in run`: measured inside each emulated run,
+    the share of the modelled communication that was over before compute needed it."""
     if markdown:
-        lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden | rounds | hidden in run |",
-                 "|---|---|---|---|---|---|---|---|---|"]
+        lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden | 95% CI | rounds | hidden in run |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            link, speed, hidden, spread, in_run = _summary_cells(r)
+            link, speed, hidden, confidence, spread, in_run = _summary_cells(r)
             lines.append(f"| {link} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
-                         f"{speed} | {hidden} | {spread} | {in_run} |")
+                         f"{speed} | {hidden} | {confidence} | {spread} | {in_run} |")
         return "\n".join(lines)
     width = max([14] + [len(r["preset"]) + 2 for r in rows])
     header = (f"{'preset':<{width}}{'interconnect':<28}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}"
-              f"{'speedup':>9}{'hidden':>8}{'rounds':>12}{'in run':>8}")
+              f"{'speedup':>9}{'hidden':>8}{'95% CI':>12}{'rounds':>12}{'in run':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        link, speed, hidden, spread, in_run = _summary_cells(r)
+        link, speed, hidden, confidence, spread, in_run = _summary_cells(r)
         lines.append(f"{r['preset']:<{width}}{link:<28}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
-                     f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{spread:>12}{in_run:>8}")
+                     f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{confidence:>12}{spread:>12}{in_run:>8}")
     return "\n".join(lines)
