@@ -65,6 +65,11 @@ def test_summary_speedups_and_hidden_fraction(sweep):
     assert len(ladder) == 2 and all(r["speedup"] is not None for r in ladder)
     assert all(r["hidden"] is not None for r in ladder)
     assert all(r["speedup"] == 1.0 for r in rows if r["layout"] == "standard")
+    # The command pools the files it is given (here one file twice: the same runs, the same table).
+    once, twice = (ladder_cli("bench", "summary", *[str(sweep[0])] * n) for n in (1, 2))
+    assert once.returncode == twice.returncode == 0 and once.stdout == twice.stdout and "95% CI" in once.stdout
+    missing = ladder_cli("bench", "summary", str(sweep[0]), str(sweep[0].with_name("none.jsonl")))
+    assert missing.returncode == 2 and missing.stderr.strip().endswith("none.jsonl")
 
 
 def test_summary_pools_rounds():
@@ -109,6 +114,9 @@ def test_hidden_interval_resamples_interleaved_runs_together():
     lo, hi = hidden_interval([records(t, False) for t in (t_standard, t_ladder, t_upper)])
     assert lo < 0.8 and hi > 1.0
     assert hidden_interval([records(t, False) for t in (t_standard, t_ladder, t_upper)]) == (lo, hi)  # seeded
+    # A sweep run twice into one file repeats its rounds: the turns of each stay apart.
+    twice = [records(t_standard, True)[0] | {"env": {"time": start}} for start in ("10:00:00", "10:05:00")]
+    assert len(bench._runs_by_turn(twice)) == 2 * len(drift)
 
 
 def test_plots_pool_records_as_the_summary_does():

@@ -677,17 +677,23 @@ def hidden_fraction(t_standard: float, t_ladder: float, t_upper_bound: float) ->
 def _hidden_per_round(by_layout: dict[str, list[dict[str, Any]]], label: str, tokens: int) -> list[float]:
     """The whole-run hidden fraction of each round on its own (its spread shows what pooling resolves);
     empty unless there are several rounds."""
-    def seconds(layout: str, round_: int) -> float | None:
-        records = [r for r in by_layout[layout] if r.get("round", 0) == round_]
+    def seconds(layout: str, round_: tuple) -> float | None:
+        records = [r for r in by_layout[layout] if _round_key(r) == round_]
         return tokens / pooled_tokens_per_s(records) if records else None
 
-    rounds = sorted({r.get("round", 0) for r in by_layout[label]})
+    rounds = sorted({_round_key(r) for r in by_layout[label]}, key=str)
     out = []
     for i in rounds if len(rounds) > 1 else []:
         t = [seconds(layout, i) for layout in ("standard", label, "upper-bound")]
         if None not in t and (h := hidden_fraction(*t)) is not None:
             out.append(h)
     return out
+
+
+def _round_key(r: dict[str, Any]) -> tuple[int, str | None]:
+    """Which round a record was measured in. Layouts that took turns share their group's start time,
+    which keeps apart the rounds of sweeps pooled from several files (each numbers its rounds from 0)."""
+    return r.get("round", 0), r.get("env", {}).get("time") if r.get("interleaved") else None
 
 
 HIDDEN_CONFIDENCE = 0.95
@@ -724,9 +730,10 @@ def hidden_interval(layouts: Sequence[Sequence[dict[str, Any]]], resamples: int 
     return estimates[int(tail * (len(estimates) - 1))], estimates[math.ceil((1 - tail) * (len(estimates) - 1))]
 
 
-def _runs_by_turn(records: Sequence[dict[str, Any]]) -> dict[tuple[int, int], float]:
-    """tokens/s of each measured run, keyed by (round, run index): the turn it was measured in."""
-    return {(r.get("round", 0), i): x for r in records
+def _runs_by_turn(records: Sequence[dict[str, Any]]) -> dict[tuple[int, str | None, int], float]:
+    """tokens/s of each measured run, keyed by the turn it was measured in: (round, start of its group
+    of workers (a sweep run twice into one file repeats the rounds), run index)."""
+    return {(r.get("round", 0), r.get("env", {}).get("time"), i): x for r in records
             for i, x in enumerate(r.get("tokens_per_s_runs") or [r["tokens_per_s"]])}
 
 

@@ -339,7 +339,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bench_summary(args: argparse.Namespace) -> int:
     from ladder.bench import format_summary, read_results, summarise
 
-    print(format_summary(summarise(read_results(Path(args.results))), markdown=args.markdown))
+    records = [r for path in args.results for r in read_results(Path(path))]
+    print(format_summary(summarise(records), markdown=args.markdown))
     return 0
 
 
@@ -548,8 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp_.add_argument("--out", default="loss.png", help="the picture to write")
     tp_.set_defaults(func=cmd_train_plot)
 
-    bs = sub.add_parser("bench-summary", help="the speedup table of a results file (also: ladder bench summary FILE)")
-    bs.add_argument("results")
+    bs = sub.add_parser("bench-summary", help="the speedup table of results files (also: ladder bench summary FILE...)")
+    bs.add_argument("results", nargs="+", help="results files; the runs of a configuration are pooled across them")
     bs.add_argument("--markdown", action="store_true", help="a Markdown table")
     bs.set_defaults(func=cmd_bench_summary)
 
