@@ -283,6 +283,10 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     (["--interconnect", "pcie-no-p2p", "--link-scale", "nan"], "--link-scale must be a positive number, got nan"),
     (["--link-scale", "10"], "--link-scale dilates an emulated link, and --interconnect real has none"),
     (["--device", "tpu"], "unknown device 'tpu'; use cpu, cuda or auto"),
+    (["--interconnect", "pcie-no-p2p", "--comm-share", "1.5"], "--comm-share is a share of the step, between 0 and 1"),
+    (["--comm-share", "0.25"], "--comm-share dilates an emulated link, and --interconnect real has none"),
+    (["--interconnect", "pcie-no-p2p", "--comm-share", "0.25", "--link-scale", "10"],
+     "--comm-share and --link-scale both set how far the link is dilated: give one"),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path):
     out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",
@@ -290,6 +294,39 @@ def test_bad_input_is_one_line(args, message, tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert message in lines[0]
+
+
+def test_comm_share_calibration_counts_standards_all_reduces_on_the_undilated_link():
+    point = BenchPoint(preset="tiny", layout="ladder", tp=2, batch_size=3, prompt_len=8, gen_len=4,
+                       link=get_link("pcie-no-p2p"), link_scale=7.0)
+    compute_s, link_s = bench._standard_step_times(point, steps=4)
+    config = point.config()
+    per_all_reduce = point.link.all_reduce_s(3 * config.dim * 4, 2)  # batch x dim float32, between 2 ranks
+    assert link_s == pytest.approx(2 * config.n_layers * per_all_reduce, rel=1e-6)  # standard's, at scale 1
+    assert compute_s > 0
+
+
+def test_comm_share_dilates_each_configuration_once_and_resume_keeps_its_scale(tmp_path):
+    out = tmp_path / "r.jsonl"
+    args = ["bench", "--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--tp", "2",
+            "--batch-sizes", "1,2", "--prompt-len", "8", "--gen-len", "4", "--runs", "2", "--rounds", "2",
+            "--interconnect", "pcie-no-p2p", "--comm-share", "0.2", "--interleave", "steps", "--no-progress",
+            "--out", str(out)]
+    first = ladder_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count("--comm-share 0.2: pcie-no-p2p tp=2") == 2  # one calibration per batch size
+    records = read_results(out)
+    assert len(records) == 12 and {r["comm_share"] for r in records} == {0.2}
+    for b in (1, 2):  # every layout and round of a configuration runs on one link
+        assert len({r["link_scale"] for r in records if r["batch_size"] == b}) == 1
+    # What standard pays beyond upper bound is about the share asked for (loosely: prefill counts too,
+    # and a 1 ms step is noisy; an inverted dilation would give 0.8).
+    rows = {(r["layout"], r["batch_size"]): r["tokens_per_s"] for r in summarise(records)}
+    for b in (1, 2):
+        assert 0.05 < 1 - rows[("standard", b)] / rows[("upper-bound", b)] < 0.5
+    again = ladder_cli(*args, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("as measured before (--resume)") == 2 and "nothing new appended" in again.stdout
 
 
 def test_unknown_link_in_python_api():

@@ -273,7 +273,8 @@ def parse_list(text: str, kind: type = str, flag: str = "") -> list:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ladder.bench import format_summary, measured_already, point_key, run_sweep, summarise, sweep_points
+    from ladder.bench import (check_comm_share, dilate_to_share, format_summary, measured_already, point_key, run_sweep, summarise,
+                              sweep_points)
     from ladder.distributed import print_rank0
     from ladder.interconnect import get_link
 
@@ -293,6 +294,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device, dtype=args.dtype, compile=args.compile, seed=args.seed,
         link_scale=args.link_scale, ladder_layers=args.ladder_layers, checkpoint=args.model,
         profile_dir=args.profile, profile_tokens=args.profile_tokens)
+    if args.comm_share is not None:
+        if args.link_scale != 1:
+            raise LadderError("--comm-share and --link-scale both set how far the link is dilated: give one")
+        check_comm_share(points, args.comm_share)
     out = Path(args.out)
     # (Under torchrun every rank runs this command: print_rank0, so that rank 0 speaks for all.)
     weights = "random weights" if args.model is None else f"weights of {args.model}"
@@ -301,12 +306,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 + (f", {args.rounds} rounds" if args.rounds > 1 else "")
                 + {"runs": ", layouts interleaved run by run", "steps": ", layouts interleaved step by step"}.get(
                     args.interleave, "") + f" -> {out}")
+    dilation = (f"dilated to {args.comm_share:g} of standard's step" if args.comm_share is not None
+                else f"times x{args.link_scale:g}")
     for link in links:
         if link is not None:
             print_rank0(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us "
                         f"per rank beyond 2) + ring bytes / {link.bandwidth_gbps:.1f} GB/s, "
-                        f"times x{args.link_scale:g}; {link.source}")
+                        f"{dilation}; {link.source}")
     done = measured_already(out) if args.resume else {}
+    if args.comm_share is not None:
+        points = dilate_to_share(points, args.comm_share, done, print_rank0)
     if done:
         print_rank0(f"  --resume: {len(done)} successful records in {out}; the configurations among them are "
                     "not measured again")
@@ -504,6 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "custom; comma-separated to compare")
     b.add_argument("--link-latency-us", type=float, help="custom link: latency per all-reduce (us)")
     b.add_argument("--link-bandwidth-gbps", type=float, help="custom link: bus bandwidth (GB/s)")
+    b.add_argument("--comm-share", type=float, default=None, metavar="S",
+                   help="instead of --link-scale: dilate each emulated configuration's link so that its "
+                        "all-reduces take this share of standard's decode step on this machine (CPU; "
+                        "calibrated before the sweep), e.g. 0.25")
     b.add_argument("--link-scale", type=float, default=BENCH_DEFAULTS["link_scale"],
                    help="multiply emulated link times (keep a GPU's compute:communication ratio on a slower device)")
     b.add_argument("--device", default="auto", help="cpu, cuda or auto")
