@@ -138,6 +138,20 @@ def test_plots_pool_records_as_the_summary_does():
     assert pareto_frontier([(1, 1), (2, 3), (3, 2), (4, 4)]) == [(1, 1), (2, 3), (4, 4)]
 
 
+def test_plots_draw_a_link_dilated_to_a_share_as_one_panel_across_batch_sizes():
+    from ladder.plots import _pooled_points
+
+    def record(batch, scale):
+        return {"status": "ok", "preset": "tiny", "interconnect": "pcie-no-p2p", "emulated": True, "tp": 4,
+                "batch_size": batch, "prompt_len": 8, "gen_len": 4, "layout": "ladder", "link_scale": scale,
+                "comm_share": 0.25, "tokens_per_s": 10.0, "env": {"device_name": "cpu"}}
+
+    [(panel, points)] = _pooled_points([record(1, 12.2), record(4, 17.7)]).items()
+    assert "pcie-no-p2p at 25% of the step (emulated)" in panel and [p.batch_size for p in points] == [1, 4]
+    fixed = [dict(record(1, 10.0), comm_share=None), dict(record(4, 25.0), comm_share=None)]
+    assert len(_pooled_points(fixed)) == 2  # a fixed dilation is a link of its own
+
+
 def test_plot_files(sweep, tmp_path):
     out = ladder_cli("bench", "plot", str(sweep[0]), "--out-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
