@@ -138,7 +138,7 @@ def test_plots_pool_records_as_the_summary_does():
     assert pareto_frontier([(1, 1), (2, 3), (3, 2), (4, 4)]) == [(1, 1), (2, 3), (4, 4)]
 
 
-def test_plots_draw_a_link_dilated_to_a_share_as_one_panel_across_batch_sizes():
+def test_a_link_dilated_to_a_share_is_one_link_across_batch_sizes_and_days():
     from ladder.plots import _pooled_points
 
     def record(batch, scale):
@@ -146,8 +146,11 @@ def test_plots_draw_a_link_dilated_to_a_share_as_one_panel_across_batch_sizes():
                 "batch_size": batch, "prompt_len": 8, "gen_len": 4, "layout": "ladder", "link_scale": scale,
                 "comm_share": 0.25, "tokens_per_s": 10.0, "env": {"device_name": "cpu"}}
 
-    [(panel, points)] = _pooled_points([record(1, 12.2), record(4, 17.7)]).items()
-    assert "pcie-no-p2p at 25% of the step (emulated)" in panel and [p.batch_size for p in points] == [1, 4]
+    # (two sweeps at 25 %, calibrated on days when this machine ran at different speeds, pool too)
+    records = [record(1, 12.2), record(4, 17.7), record(1, 9.19)]
+    [(panel, points)] = _pooled_points(records).items()
+    assert "pcie-no-p2p 25% of step (emulated)" in panel and [p.batch_size for p in points] == [1, 4]
+    assert [(r["batch_size"], r["records"]) for r in summarise(records)] == [(1, 2), (4, 1)]
     fixed = [dict(record(1, 10.0), comm_share=None), dict(record(4, 25.0), comm_share=None)]
     assert len(_pooled_points(fixed)) == 2  # a fixed dilation is a link of its own
 

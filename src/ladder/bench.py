@@ -707,14 +707,19 @@ def read_results(path: Path) -> list[dict[str, Any]]:
 
 def group_key(r: dict[str, Any]) -> tuple:
     """Results comparable with each other: same model, link, TP, batch and lengths."""
-    return (r["preset"], r["interconnect"], r.get("link_scale", 1.0), r["tp"], r["batch_size"],
+    dilation = ("share", r["comm_share"]) if r.get("comm_share") is not None else r.get("link_scale", 1.0)
+    return (r["preset"], r["interconnect"], dilation, r["tp"], r["batch_size"],
             r["prompt_len"], r["gen_len"], r.get("device"), bool(r.get("compile")))
 
 
 def link_label(r: dict[str, Any]) -> str:
-    """The interconnect as results show it: `real`, or `pcie-no-p2p x10 (emulated)` (x: the dilation)."""
+    """The interconnect as results show it: `real`, or `pcie-no-p2p x10 (emulated)` (x: the dilation),
+    or `pcie-no-p2p 25% of step (emulated)` for a link dilated to a share (`--comm-share`), whose
+    dilation differs by batch size and by day."""
     if not r.get("emulated"):
         return r["interconnect"]
+    if r.get("comm_share") is not None:
+        return f"{r['interconnect']} {r['comm_share']:.0%} of step (emulated)"
     scale = r.get("link_scale", 1.0)
     return f"{r['interconnect']}{f' x{scale:.3g}' if scale != 1 else ''} (emulated)"
 
@@ -864,11 +869,12 @@ def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
                          f"{speed} | {hidden} | {confidence} | {spread} | {in_run} |")
         return "\n".join(lines)
     width = max([14] + [len(r["preset"]) + 2 for r in rows])
-    header = (f"{'preset':<{width}}{'interconnect':<28}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}"
+    link_width = max([28] + [len(r["link"]) + 1 for r in rows])
+    header = (f"{'preset':<{width}}{'interconnect':<{link_width}}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}"
               f"{'speedup':>9}{'hidden':>8}{'95% CI':>12}{'rounds':>12}{'in run':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         link, speed, hidden, confidence, spread, in_run = _summary_cells(r)
-        lines.append(f"{r['preset']:<{width}}{link:<28}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
+        lines.append(f"{r['preset']:<{width}}{link:<{link_width}}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
                      f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{confidence:>12}{spread:>12}{in_run:>8}")
     return "\n".join(lines)

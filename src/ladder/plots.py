@@ -29,16 +29,8 @@ Panel = tuple  # (preset, link label, prompt_len, gen_len, device name, compiled
 
 
 def _panel(r: dict[str, Any]) -> Panel:
-    return (r["preset"], _panel_link(r), r["prompt_len"], r["gen_len"], r.get("env", {}).get("device_name", "?"),
+    return (r["preset"], link_label(r), r["prompt_len"], r["gen_len"], r.get("env", {}).get("device_name", "?"),
             bool(r.get("compile")))
-
-
-def _panel_link(r: dict[str, Any]) -> str:
-    """The link as a panel names it. A link dilated to a share of the step (`--comm-share`) has a
-    dilation of its own at each batch size: one panel, one line across them."""
-    if r.get("emulated") and r.get("comm_share") is not None:
-        return f"{r['interconnect']} at {r['comm_share']:.0%} of the step (emulated)"
-    return link_label(r)
 
 
 def _panel_title(panel: Panel) -> str:
