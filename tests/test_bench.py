@@ -95,6 +95,26 @@ def test_summary_pools_rounds():
     assert f"{lo:.2f}..{hi:.2f}" in format_summary(list(rows.values()))
 
 
+def test_hidden_of_layouts_that_took_turns_compares_their_total_times_over_the_same_turns():
+    def record(layout, runs, round_, interleaved=True):
+        return {"status": "ok", "preset": "tiny", "interconnect": "custom", "emulated": True, "link_scale": 1.0,
+                "tp": 2, "batch_size": 2, "prompt_len": 8, "gen_len": 4, "layout": layout, "round": round_,
+                "tokens_per_s": sorted(runs)[len(runs) // 2], "tokens_per_s_runs": runs,
+                "env": {"time": f"10:0{round_}:00"}} | ({"interleaved": {"by": "steps"}} if interleaved else {})
+
+    # Three turns, the machine faster in the second: medians per layout would pick different turns.
+    runs = {"standard": [10, 14, 9], "ladder": [12, 18, 13], "upper-bound": [13, 17, 12]}
+    rows = {r["layout"]: r for r in summarise([record(layout, r, 0) for layout, r in runs.items()])}
+    t = {layout: sum(1 / x for x in r) for layout, r in runs.items()}
+    assert rows["ladder"]["hidden"] == pytest.approx(
+        (t["standard"] - t["ladder"]) / (t["standard"] - t["upper-bound"]))
+    medians = {layout: 1 / sorted(r)[1] for layout, r in runs.items()}  # what measured one by one would use
+    apart = {r["layout"]: r for r in summarise([record(layout, r, 0, False) for layout, r in runs.items()])}
+    assert apart["ladder"]["hidden"] == pytest.approx(
+        (medians["standard"] - medians["ladder"]) / (medians["standard"] - medians["upper-bound"]))
+    assert abs(rows["ladder"]["hidden"] - apart["ladder"]["hidden"]) > 0.05  # 1.05 against 1.00
+
+
 def test_hidden_interval_resamples_interleaved_runs_together():
     from ladder.bench import hidden_interval
 

@@ -743,7 +743,6 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for key, by_layout in pooled.items():
         tps = {label: pooled_tokens_per_s(rs) for label, rs in by_layout.items()}
-        seconds = {label: key[4] * key[6] / value for label, value in tps.items()}  # batch * gen_len / tokens/s
         for label, rs in by_layout.items():
             row = {"preset": key[0], "interconnect": key[1], "link": link_label(rs[0]), "emulated": rs[0]["emulated"],
                    "tp": key[3], "batch_size": key[4], "layout": label, "tokens_per_s": tps[label],
@@ -751,10 +750,10 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             if "standard" in tps:
                 row["speedup"] = tps[label] / tps["standard"]
                 if label.startswith("ladder") and "upper-bound" in tps and key[3] > 1:  # TP 1: nothing to hide
-                    row["hidden"] = hidden_fraction(seconds["standard"], seconds[label], seconds["upper-bound"])
-                    row["hidden_rounds"] = _hidden_per_round(by_layout, label, key[4] * key[6])
-                    row["hidden_interval"] = hidden_interval(
-                        [by_layout[name] for name in ("standard", label, "upper-bound")])
+                    triple = [by_layout[name] for name in ("standard", label, "upper-bound")]
+                    row["hidden"] = pooled_hidden(triple)
+                    row["hidden_rounds"] = _hidden_per_round(triple)
+                    row["hidden_interval"] = hidden_interval(triple)
             rows.append(row)
     order = {"standard": 0, "parallel": 1, "ladder": 2, "desync": 3, "upper-bound": 4}
     rows.sort(key=lambda r: (r["preset"], r["link"], r["tp"], r["batch_size"],
@@ -774,18 +773,41 @@ def hidden_fraction(t_standard: float, t_ladder: float, t_upper_bound: float) ->
     return (t_standard - t_ladder) / (t_standard - t_upper_bound)
 
 
-def _hidden_per_round(by_layout: dict[str, list[dict[str, Any]]], label: str, tokens: int) -> list[float]:
-    """The whole-run hidden fraction of each round on its own (its spread shows what pooling resolves);
-    empty unless there are several rounds."""
-    def seconds(layout: str, round_: tuple) -> float | None:
-        records = [r for r in by_layout[layout] if _round_key(r) == round_]
-        return tokens / pooled_tokens_per_s(records) if records else None
+def pooled_hidden(layouts: Sequence[Sequence[dict[str, Any]]]) -> float | None:
+    """The whole-run hidden fraction of one configuration from the records of standard, ladder and upper
+    bound (in that order), every run pooled. When the layouts took turns (`--interleave`), run i of
+    each shared the machine's moment, so t is each layout's total time over the turns they all had:
+    paired, drift cancels. Otherwise t is each layout's median run. (Medians of layouts that took
+    turns would pick different turns and lose the pairing: pooled over two days at different speeds,
+    they read 0.95 where every round alone read 0.89-0.94.)"""
+    return _hidden_of_turns([_runs_by_turn(records) for records in layouts], _paired(layouts), None)
 
-    rounds = sorted({_round_key(r) for r in by_layout[label]}, key=str)
+
+def _paired(layouts: Sequence[Sequence[dict[str, Any]]]) -> bool:
+    """Whether the three layouts' runs were measured turn by turn together (and so can be paired)."""
+    keys = [_runs_by_turn(records).keys() for records in layouts]
+    return all(r.get("interleaved") for records in layouts for r in records) and keys[0] == keys[1] == keys[2]
+
+
+def _hidden_of_turns(runs: Sequence[dict[tuple, float]], paired: bool,
+                     picks: Sequence[Sequence[tuple]] | None) -> float | None:
+    """`pooled_hidden` of the runs (tokens/s by turn) picked for each layout (all of them: None)."""
+    picked = [list(r) for r in runs] if picks is None else picks
+    if paired:  # time is tokens / (tokens/s), and every run has the same tokens: 1 / (tokens/s) will do
+        seconds = [sum(1.0 / r[turn] for turn in pick) for r, pick in zip(runs, picked)]
+    else:
+        seconds = [1.0 / statistics.median(r[turn] for turn in pick) for r, pick in zip(runs, picked)]
+    return hidden_fraction(*seconds)
+
+
+def _hidden_per_round(layouts: Sequence[Sequence[dict[str, Any]]]) -> list[float]:
+    """`pooled_hidden` of each round on its own (its spread shows what pooling resolves); empty unless
+    there are several rounds."""
+    rounds = sorted({_round_key(r) for r in layouts[1]}, key=str)
     out = []
     for i in rounds if len(rounds) > 1 else []:
-        t = [seconds(layout, i) for layout in ("standard", label, "upper-bound")]
-        if None not in t and (h := hidden_fraction(*t)) is not None:
+        mine = [[r for r in records if _round_key(r) == i] for records in layouts]
+        if all(mine) and (h := pooled_hidden(mine)) is not None:
             out.append(h)
     return out
 
@@ -801,16 +823,14 @@ HIDDEN_CONFIDENCE = 0.95
 
 def hidden_interval(layouts: Sequence[Sequence[dict[str, Any]]], resamples: int = 2000,
                     seed: int = 0) -> tuple[float, float] | None:
-    """A 95 % percentile-bootstrap interval of the pooled whole-run hidden fraction, from the records of
-    standard, ladder and upper bound (in that order) of one configuration: how far the noise of the
-    measured runs leaves the figure uncertain. When the layouts took turns (`--interleave`), run i of
-    each was measured side by side and shares the machine's drift, so runs are resampled as triples;
-    otherwise each layout's runs are resampled on their own. Deterministic (a fixed seed)."""
+    """A 95 % percentile-bootstrap interval of `pooled_hidden`: how far the noise of the measured runs
+    leaves the figure uncertain. Runs of layouts that took turns are resampled as triples (they shared
+    the machine's drift); otherwise each layout's runs are resampled on their own. Deterministic (a
+    fixed seed)."""
     runs = [_runs_by_turn(records) for records in layouts]
     if not all(runs):
         return None
-    paired = (all(r.get("interleaved") for records in layouts for r in records)
-              and runs[0].keys() == runs[1].keys() == runs[2].keys())
+    paired = _paired(layouts)
     rng = random.Random(seed)
     turns = [sorted(r) for r in runs]
     estimates = []
@@ -820,8 +840,7 @@ def hidden_interval(layouts: Sequence[Sequence[dict[str, Any]]], resamples: int 
             picks = [drawn] * 3
         else:
             picks = [rng.choices(t, k=len(t)) for t in turns]
-        seconds = [1.0 / statistics.median(r[turn] for turn in pick) for r, pick in zip(runs, picks)]
-        if (h := hidden_fraction(*seconds)) is not None:
+        if (h := _hidden_of_turns(runs, paired, picks)) is not None:
             estimates.append(h)
     if len(estimates) < resamples / 2:  # communication indistinguishable from noise: no interval to give
         return None
