@@ -358,14 +358,13 @@ def dilate_to_share(points: Sequence[BenchPoint], share: float, done: dict[str, 
             continue
         key = _without_scale(point.with_dtype_resolved().describe())
         if key not in scales:
+            where = f"  --comm-share {share:g}: {point.interconnect} tp={point.tp} bs={point.batch_size}"
             if key in earlier:
                 scales[key] = earlier[key]
-                report(f"  --comm-share {share:g}: {point.interconnect} tp={point.tp} bs={point.batch_size}: "
-                       f"x{scales[key]:.3g}, as measured before (--resume)")
+                report(f"{where}: x{scales[key]:.3g}, as measured before (--resume)")
             else:
                 scales[key], compute_s, link_s = calibrate_link_scale(point, share)
-                report(f"  --comm-share {share:g}: {point.interconnect} tp={point.tp} bs={point.batch_size}: "
-                       f"x{scales[key]:.3g} (standard's step here: {compute_s * 1e3:.2f} ms of compute, "
+                report(f"{where}: x{scales[key]:.3g} (standard's step here: {compute_s * 1e3:.2f} ms of compute, "
                        f"{link_s * 1e3:.3f} ms on the undilated link)")
         out.append(dataclasses.replace(point, link_scale=scales[key], comm_share=share))
     return out
@@ -378,6 +377,8 @@ def check_comm_share(points: Sequence[BenchPoint], share: float) -> None:
 
     if not 0 < share < 1:
         raise LadderError(f"--comm-share is a share of the step, between 0 and 1, not {share:g}")
+    if any(p.link_scale != 1 for p in points):
+        raise LadderError("--comm-share and --link-scale both set how far the link is dilated: give one")
     if not any(p.emulated for p in points):
         raise LadderError("--comm-share dilates an emulated link, and --interconnect real has none: "
                           "name one, e.g. --interconnect pcie-no-p2p")
@@ -391,8 +392,7 @@ def check_comm_share(points: Sequence[BenchPoint], share: float) -> None:
 
 def _without_scale(description: dict[str, Any]) -> str:
     """A point's settings but its layout and link scale: what one calibration serves."""
-    skip = {"layout", "ladder_layers", "link_scale", "comm_share"}
-    return json.dumps({f.name: description.get(f.name) for f in dataclasses.fields(BenchPoint) if f.name not in skip},
+    return json.dumps(_settings(description, frozenset({"layout", "ladder_layers", "link_scale", "comm_share"})),
                       sort_keys=True)
 
 
@@ -613,8 +613,12 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 def point_key(description: dict[str, Any], round_: int) -> str:
     """What identifies a measurement: the point's every setting (as `describe()` gives it) and its round."""
-    settings = {f.name: description.get(f.name) for f in dataclasses.fields(BenchPoint)}
-    return json.dumps([settings, round_], sort_keys=True)
+    return json.dumps([_settings(description), round_], sort_keys=True)
+
+
+def _settings(description: dict[str, Any], skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A point's settings as `describe()` (or a record of it) gives them, but those in `skip`."""
+    return {f.name: description.get(f.name) for f in dataclasses.fields(BenchPoint) if f.name not in skip}
 
 
 def measured_already(out: Path) -> dict[str, dict[str, Any]]:
@@ -780,13 +784,15 @@ def pooled_hidden(layouts: Sequence[Sequence[dict[str, Any]]]) -> float | None:
     paired, drift cancels. Otherwise t is each layout's median run. (Medians of layouts that took
     turns would pick different turns and lose the pairing: pooled over two days at different speeds,
     they read 0.95 where every round alone read 0.89-0.94.)"""
-    return _hidden_of_turns([_runs_by_turn(records) for records in layouts], _paired(layouts), None)
+    runs = [_runs_by_turn(records) for records in layouts]
+    return _hidden_of_turns(runs, _paired(layouts, runs), None)
 
 
-def _paired(layouts: Sequence[Sequence[dict[str, Any]]]) -> bool:
-    """Whether the three layouts' runs were measured turn by turn together (and so can be paired)."""
-    keys = [_runs_by_turn(records).keys() for records in layouts]
-    return all(r.get("interleaved") for records in layouts for r in records) and keys[0] == keys[1] == keys[2]
+def _paired(layouts: Sequence[Sequence[dict[str, Any]]], runs: Sequence[dict[tuple, float]]) -> bool:
+    """Whether the three layouts' runs (`_runs_by_turn` of each) were measured turn by turn together,
+    and so can be paired."""
+    return (all(r.get("interleaved") for records in layouts for r in records)
+            and runs[0].keys() == runs[1].keys() == runs[2].keys())
 
 
 def _hidden_of_turns(runs: Sequence[dict[tuple, float]], paired: bool,
@@ -830,7 +836,7 @@ def hidden_interval(layouts: Sequence[Sequence[dict[str, Any]]], resamples: int 
     runs = [_runs_by_turn(records) for records in layouts]
     if not all(runs):
         return None
-    paired = _paired(layouts)
+    paired = _paired(layouts, runs)
     rng = random.Random(seed)
     turns = [sorted(r) for r in runs]
     estimates = []
@@ -880,7 +886,8 @@ def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     and highest of it over the rounds taken one by one; `in run`: measured inside each emulated run,
     the share of the modelled communication that was over before compute needed it."""
     if markdown:
-        lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden | 95% CI | rounds | hidden in run |",
+        lines = ["| interconnect | tp | batch | layout | tokens/s | speedup | hidden | 95% CI | rounds "
+                 "| hidden in run |",
                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             link, speed, hidden, confidence, spread, in_run = _summary_cells(r)
