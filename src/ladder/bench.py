@@ -782,8 +782,7 @@ def pooled_hidden(layouts: Sequence[Sequence[dict[str, Any]]]) -> float | None:
     bound (in that order), every run pooled. When the layouts took turns (`--interleave`), run i of
     each shared the machine's moment, so t is each layout's total time over the turns they all had:
     paired, drift cancels. Otherwise t is each layout's median run. (Medians of layouts that took
-    turns would pick different turns and lose the pairing: pooled over two days at different speeds,
-    they read 0.95 where every round alone read 0.89-0.94.)"""
+    turns would pick different turns and lose the pairing, worst when runs at different speeds pool.)"""
     runs = [_runs_by_turn(records) for records in layouts]
     return _hidden_of_turns(runs, _paired(layouts, runs), None)
 
