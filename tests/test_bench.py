@@ -134,6 +134,10 @@ def test_hidden_interval_resamples_interleaved_runs_together():
     lo, hi = hidden_interval([records(t, False) for t in (t_standard, t_ladder, t_upper)])
     assert lo < 0.8 and hi > 1.0
     assert hidden_interval([records(t, False) for t in (t_standard, t_ladder, t_upper)]) == (lo, hi)  # seeded
+    # The records of one group can carry start times a second apart: their group keeps them paired.
+    split = [records(t, True)[0] | {"env": {"time": start}, "interleaved": {"by": "steps", "group": "g1"}}
+             for t, start in ((t_standard, "10:00:00"), (t_ladder, "10:00:01"), (t_upper, "10:00:01"))]
+    assert hidden_interval([[r] for r in split]) == pytest.approx((0.9, 0.9))
     # A sweep run twice into one file repeats its rounds: the turns of each stay apart.
     twice = [records(t_standard, True)[0] | {"env": {"time": start}} for start in ("10:00:00", "10:05:00")]
     assert len(bench._runs_by_turn(twice)) == 2 * len(drift)
@@ -398,7 +402,10 @@ def test_step_interleaved_sweep_records_each_layouts_own_steps(tmp_path):
     points = sweep_points(["tiny"], layouts, [2], [2], [None, link], prompt_len=8, gen_len=4, runs=2)
     records = run_sweep(points, tmp_path / "r.jsonl", progress=False, interleave="steps")
     assert [r["status"] for r in records] == ["ok"] * 6  # real gloo (both ranks step in one order), emulated
-    assert all(r["interleaved"] == {"layouts": layouts, "by": "steps"} for r in records)
+    assert all({k: r["interleaved"][k] for k in ("layouts", "by")} == {"layouts": layouts, "by": "steps"}
+               for r in records)
+    groups = [{r["interleaved"]["group"] for r in part} for part in (records[:3], records[3:])]
+    assert all(len(g) == 1 for g in groups) and groups[0] != groups[1]  # one group per configuration
     by_layout = {r["layout"]: r for r in records[3:]}
     assert by_layout["standard"]["all_reduces_per_run"] == 4 * 2 * 4  # its own link account, as by runs
     assert by_layout["upper-bound"]["all_reduces_per_run"] == 0

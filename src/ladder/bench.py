@@ -221,10 +221,14 @@ def bench_on_rank(group: Sequence[BenchPoint], interleave: str = "runs") -> list
         if rank != 0:
             return None
         results = []
+        # What keeps this group's records together when results are pooled (each record's env.time can
+        # fall in the next second): where it ran and when it finished measuring.
+        group_id = f"{socket.gethostname()}:{os.getpid()}:{time.time():.6f}"
         for j, point in enumerate(group):
             result = _result(point, configs[j], models[j], device, dtype, runs[j], comms[j])
             if len(group) > 1:
-                result["interleaved"] = {"layouts": [layout_label(p.describe()) for p in group], "by": interleave}
+                result["interleaved"] = {"layouts": [layout_label(p.describe()) for p in group], "by": interleave,
+                                         "group": group_id}
                 if interleave == "runs":
                     result["interleaved"]["turns"] = turns[j]
                 result["peak_memory_kind"] += " (all layouts of the group)"
@@ -818,9 +822,9 @@ def _hidden_per_round(layouts: Sequence[Sequence[dict[str, Any]]]) -> list[float
 
 
 def _round_key(r: dict[str, Any]) -> tuple[int, str | None]:
-    """Which round a record was measured in. Layouts that took turns share their group's start time,
+    """Which round a record was measured in. Layouts that took turns share their group (`_group_of`),
     which keeps apart the rounds of sweeps pooled from several files (each numbers its rounds from 0)."""
-    return r.get("round", 0), r.get("env", {}).get("time") if r.get("interleaved") else None
+    return r.get("round", 0), _group_of(r) if r.get("interleaved") else None
 
 
 HIDDEN_CONFIDENCE = 0.95
@@ -854,10 +858,16 @@ def hidden_interval(layouts: Sequence[Sequence[dict[str, Any]]], resamples: int 
     return estimates[int(tail * (len(estimates) - 1))], estimates[math.ceil((1 - tail) * (len(estimates) - 1))]
 
 
+def _group_of(r: dict[str, Any]) -> str | None:
+    """The set of workers a record was measured in: layouts that took turns share it. (Records before
+    `interleaved.group` existed fall back to their start time, which can differ by a second.)"""
+    return (r.get("interleaved") or {}).get("group") or r.get("env", {}).get("time")
+
+
 def _runs_by_turn(records: Sequence[dict[str, Any]]) -> dict[tuple[int, str | None, int], float]:
-    """tokens/s of each measured run, keyed by the turn it was measured in: (round, start of its group
-    of workers (a sweep run twice into one file repeats the rounds), run index)."""
-    return {(r.get("round", 0), r.get("env", {}).get("time"), i): x for r in records
+    """tokens/s of each measured run, keyed by the turn it was measured in: (round, its group of workers
+    (a sweep run twice into one file repeats the rounds), run index)."""
+    return {(r.get("round", 0), _group_of(r), i): x for r in records
             for i, x in enumerate(r.get("tokens_per_s_runs") or [r["tokens_per_s"]])}
 
 
