@@ -4,12 +4,14 @@
 #     layout at TP 1;
 #  2. one rank's exact shard of Llama-3-70B at TP 8 on the emulated nvlink-h100 and pcie-no-p2p links
 #     (the all-reduces are sleep kernels on a side stream), the paper's protocol: batch 1/4/16/64,
-#     prompt 1024, 512 new tokens, bf16, compiled;
+#     prompt 1024, 512 new tokens, bf16, each decode step one CUDA graph (--cuda-graph: the eager step
+#     captured, no compiler; torch.compile of four 80-layer layouts took over 4 minutes a configuration
+#     on an H100, more than a time-limited lease can give eight configurations; STEP_70B=--compile for it);
 #  3. a profiler trace of a short run of each 70B configuration, and the share of link time during
 #     which compute kernels ran, read back from it (ladder: high; standard: near zero);
-#  4. a report comparing the measured speedups with the paper's (results/gpu/report.md).
-# Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP to trim
-# the sweep, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the models and shapes (a dry run
+#  4. a table comparing the measured speedups with the paper's (results/gpu/comparison.md).
+# Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP,
+# LAYOUTS_70B to trim the sweep, STEP_70B, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the models and shapes (a dry run
 # on CPU: DEVICE=cpu COMPILE= PRESET_SMALL=tiny PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
 # Every sweep runs with --resume, batch size by batch size (batch 1 of both links first): on a machine
 # lent in time-limited calls, run it again and it goes on where the previous call was stopped, e.g.
@@ -27,6 +29,8 @@ compile=${COMPILE---compile}
 small=${PRESET_SMALL:-llama-3-8b}
 big=${PRESET_70B:-llama-3-70b}
 tp=${TP:-8}
+layouts_70b=${LAYOUTS_70B:-standard,parallel,ladder,upper-bound}
+step_70b=${STEP_70B---cuda-graph}
 prompt=${PROMPT_LEN:-1024}
 gen=${GEN_LEN:-512}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,12 +42,14 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee 
 ladder bench --preset "$small" --layouts standard,parallel,ladder,desync,upper-bound --tp 1 --batch-sizes 1 \
     --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" --runs "$runs" --device "$device" $compile \
     --interleave --resume --no-progress --out "$out/compiled-tp1.jsonl"
+failed=0  # a batch size that measures nothing (exit 1) is recorded as failed; the others still run
 for batch in ${batches//,/ }; do
-    ladder bench --preset "$big" --layouts standard,parallel,ladder,upper-bound --tp "$tp" --batch-sizes "$batch" \
+    ladder bench --preset "$big" --layouts "$layouts_70b" --tp "$tp" --batch-sizes "$batch" \
         --interconnect nvlink-h100,pcie-no-p2p --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" \
-        --runs "$runs" --device "$device" $compile --profile "$out/traces" --profile-tokens 4 --interleave \
-        --resume --no-progress --out "$out/${big}-tp${tp}-shard.jsonl"
+        --runs "$runs" --device "$device" $step_70b --profile "$out/traces" --profile-tokens 4 --interleave \
+        --resume --no-progress --out "$out/${big}-tp${tp}-shard.jsonl" || failed=1
 done
 ladder bench plot "$out/${big}-tp${tp}-shard.jsonl"
 "$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard.jsonl" --compiled "$out/compiled-tp1.jsonl" \
-    | tee "$out/report.md"
+    | tee "$out/comparison.md"
+exit $failed

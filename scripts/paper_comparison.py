@@ -71,6 +71,11 @@ def main() -> None:
     print(f"# {preset} at TP {tp}, one rank's shard, emulated links\n")
     print(f"Device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, ladder "
           f"{env.get('git_commit')}; {len(ok)} configurations measured, {len(records) - len(ok)} failed.\n")
+    if ok:
+        step = ("torch.compile with CUDA graphs" if ok[0].get("compile") else
+                "the eager step captured as one CUDA graph (--cuda-graph)" if ok[0].get("cuda_graph") else "eager")
+        print(f"Decode step: {step}; {ok[0]['warmup']} warm-up + {ok[0]['runs']} measured runs of prompt "
+              f"{ok[0]['prompt_len']}, {ok[0]['gen_len']} new tokens per configuration, layouts taking turns.\n")
     print("Speedup over standard at equal link and batch, beside the paper's (nvlink-h100 = P2P on, "
           "pcie-no-p2p = P2P off); hidden = (t_standard - t_ladder) / (t_standard - t_upper_bound).\n")
     print(comparison(records))

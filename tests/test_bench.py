@@ -1,9 +1,11 @@
 """ladder bench: a short real + emulated sweep, the emulated link's timing, failures kept in the file."""
 
+import dataclasses
 import json
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,6 +330,8 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     (["--comm-share", "0.25"], "--comm-share dilates an emulated link, and --interconnect real has none"),
     (["--interconnect", "pcie-no-p2p", "--comm-share", "0.25", "--link-scale", "10"],
      "--comm-share and --link-scale both set how far the link is dilated: give one"),
+    (["--device", "cpu", "--cuda-graph"], "--cuda-graph needs a CUDA device, and --device cpu is cpu"),
+    (["--cuda-graph", "--compile"], "--cuda-graph and --compile both make the decode step a CUDA graph: give one"),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path):
     out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",
@@ -546,3 +550,27 @@ def test_under_torchrun_a_real_link_runs_at_the_world_size_only(tmp_path):
     assert said == {"ladder: error: under torchrun (WORLD_SIZE=2) the real interconnect runs at --tp 2 only, not 1; "
                     "an emulated link (--interconnect NAME) runs any --tp on each rank"}, result.stderr[-3000:]
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_memory_estimate_is_close_to_the_peak_an_h100_measured():
+    """results/gpu holds the 70B TP-8 shard's peak allocated memory per configuration, measured on an
+    H100 (scripts/gpu_checks.sh); the estimate that refuses configurations must stay near it. (An older
+    estimate counted the prefill's logits at every position and refused batch 64 of four layouts.)"""
+    path = Path(__file__).resolve().parents[1] / "results" / "gpu" / "llama-3-70b-tp8-shard.jsonl"
+    measured = [r for r in read_results(path) if r["status"] == "ok" and r["layout"] == "standard"]
+    assert {r["batch_size"] for r in measured} >= {1, 64}
+    for r in measured:
+        layouts = r["interleaved"]["layouts"]
+        config = bench.get_preset(r["preset"])
+        estimate = bench.estimate_memory_bytes(config, r["tp"], r["batch_size"], r["prompt_len"],
+                                               r["prompt_len"] + r["gen_len"], 2, len(layouts),
+                                               len({layout == "parallel" for layout in layouts}))
+        assert estimate == pytest.approx(r["peak_memory_bytes"], rel=0.05), (r["batch_size"], layouts)
+
+
+def test_a_setting_added_after_a_record_was_written_takes_its_default():
+    point = BenchPoint("tiny", "ladder", tp=1, batch_size=1, prompt_len=4, gen_len=2)
+    older = point.describe()
+    del older["cuda_graph"]  # written before --cuda-graph existed
+    assert bench.point_key(older, 0) == bench.point_key(point.describe(), 0)
+    assert bench.point_key(older, 0) != bench.point_key(dataclasses.replace(point, cuda_graph=True).describe(), 0)

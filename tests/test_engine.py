@@ -103,3 +103,21 @@ def test_compiled_decode_equals_eager():
     eager = Engine(model).generate(PROMPT, 6).tokens
     compiled = Engine(model, compile=True).generate(PROMPT, 6).tokens
     assert compiled == eager
+
+
+def test_cuda_graph_decode_needs_cuda_and_excludes_compile():
+    model = make_model(tiny(layout="ladder"))
+    with pytest.raises(LadderError, match="CUDA graphs need a CUDA device; the model is on cpu"):
+        Engine(model, cuda_graph=True)
+    with pytest.raises(LadderError, match="pick one"):
+        Engine(model, compile=True, cuda_graph=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_decode_equals_eager():
+    model = make_model(tiny(layout="ladder", ladder_layers=2)).cuda()
+    prompt = PROMPT.cuda()
+    eager = Engine(model).generate(prompt, 6).tokens
+    graphed = Engine(model, cuda_graph=True)
+    assert graphed.generate(prompt, 6).tokens == eager
+    assert graphed.generate(prompt, 6).tokens == eager  # replayed, not captured again

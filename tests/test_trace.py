@@ -122,3 +122,20 @@ def test_compiled_ladder_launches_the_next_all_reduce_before_each_wait(tmp_path)
                                           ("ladder::wait_after", "_c10d_functional::wait_tensor"))
     # per decode step, 8 modules: modules 0-6's waits come after the next launch; the last is exposed
     assert at_each_wait == ([2] * 7 + [1]) * 5
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_h100_traces_show_ladder_overlapping_the_emulated_link_and_standard_not(batch):
+    """Traces from scripts/gpu_checks.sh on an H100 (70B TP-8 shard, emulated pcie-no-p2p; kept gzipped
+    in results/gpu/traces): read back, they give the overlap their records report."""
+    results = Path(__file__).resolve().parents[1] / "results" / "gpu"
+    records = {r["layout"]: r for r in read_results(results / "llama-3-70b-tp8-shard.jsonl")
+               if r["status"] == "ok" and r["batch_size"] == batch and r["interconnect"] == "pcie-no-p2p"}
+    overlap = {}
+    for layout in ("standard", "ladder"):
+        name = Path(records[layout]["trace"]["path"]).name
+        overlap[layout] = link_overlap(read_trace(results / "traces" / f"{name}.gz"))
+        assert overlap[layout] == pytest.approx(records[layout]["trace"]["link"])
+        assert overlap[layout]["link_events"] == 4 * 160  # 160 all-reduces in the prefill and each of 3 decode steps
+    assert overlap["standard"]["overlap_fraction"] < 0.01
+    assert overlap["ladder"]["overlap_fraction"] > 0.6

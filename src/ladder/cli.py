@@ -291,7 +291,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tps=parse_list(args.tp, int, "--tp"),
         batch_sizes=parse_list(args.batch_sizes, int, "--batch-sizes"),
         links=links, prompt_len=args.prompt_len, gen_len=args.gen_len, warmup=args.warmup, runs=args.runs,
-        device=args.device, dtype=args.dtype, compile=args.compile, seed=args.seed,
+        device=args.device, dtype=args.dtype, compile=args.compile, cuda_graph=args.cuda_graph, seed=args.seed,
         link_scale=args.link_scale, ladder_layers=args.ladder_layers, checkpoint=args.model,
         profile_dir=args.profile, profile_tokens=args.profile_tokens)
     if args.comm_share is not None:
@@ -520,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto", help="cpu, cuda or auto")
     b.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     b.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on GPU)")
+    b.add_argument("--cuda-graph", action="store_true",
+                   help="capture the eager decode step as a CUDA graph, without compiling it (GPU; ready in one "
+                        "step where --compile takes minutes for a large model)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     b.add_argument("--out", default=BENCH_DEFAULTS["out"], help="JSON-lines results file (appended)")
     b.add_argument("--resume", action="store_true",

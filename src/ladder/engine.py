@@ -74,12 +74,19 @@ def synchronize(device: torch.device) -> None:
 
 class Engine:
     """Runs a `Transformer` for generation. `compile=True` compiles the decode step (with CUDA graphs
-    on CUDA: mode="reduce-overhead"); eager is the default and the only sensible choice on CPU."""
+    on CUDA: mode="reduce-overhead"); `cuda_graph=True` captures the eager decode step as one CUDA graph
+    without compiling it (`CudaGraphStep`); eager is the default and the only choice on CPU."""
 
-    def __init__(self, model: Transformer, compile: bool = False) -> None:
+    def __init__(self, model: Transformer, compile: bool = False, cuda_graph: bool = False) -> None:
         self.model = model.eval()
         self.device = model.output.weight.device
-        self._decode = self._decode_step
+        self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._decode_step
+        if compile and cuda_graph:
+            raise LadderError("compile and cuda_graph both make the decode step a CUDA graph: pick one")
+        if cuda_graph:
+            if self.device.type != "cuda":
+                raise LadderError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
+            self._decode = CudaGraphStep(self._decode_step, model)
         if compile:
             # One graph per step (collectives, real or emulated, trace into it), as in the paper, with
             # CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each
@@ -124,6 +131,43 @@ class Engine:
                               f"the KV cache of {max_seq} tokens")
         self.model.setup_caches(B, max_seq)
         return Generation(self, prompt.to(self.device), max_new_tokens, sampling, stop_ids, on_token)
+
+
+class CudaGraphStep:
+    """The eager decode step captured once as a CUDA graph, then replayed: one launch a step instead of
+    one per kernel, and no compiler. A 70B shard's 80 layers are ready after one step, where
+    torch.compile takes minutes per layout. Captured again when the batch or the KV cache changes."""
+
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: Transformer) -> None:
+        self.step, self.model = step, model
+        self.key: tuple | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        key = (tuple(token.shape), tuple(input_pos.shape), self.model.max_batch, self.model.max_seq,
+               id(self.model.layers[0].attention.kv_cache))
+        if key != self.key:
+            self._capture(token, input_pos)
+            self.key = key
+        self.token.copy_(token)
+        self.input_pos.copy_(input_pos)
+        self.graph.replay()
+        return self.logits  # overwritten by the next replay: sample from it first
+
+    def _capture(self, token: torch.Tensor, input_pos: torch.Tensor) -> None:
+        self.graph = None  # the previous graph's memory goes back first
+        self.token, self.input_pos = token.clone(), input_pos.clone()
+        # One step outside the capture makes cuBLAS's handles and workspaces. It writes this position's
+        # keys and values, the same ones the replay below writes.
+        side = torch.cuda.Stream(token.device)
+        side.wait_stream(torch.cuda.current_stream(token.device))
+        with torch.cuda.stream(side):
+            self.step(self.token, self.input_pos)
+        torch.cuda.current_stream(token.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self.step(self.token, self.input_pos)
+        self.graph = graph
 
 
 class Generation:

@@ -15,6 +15,7 @@ For ladder it is high, for standard near zero: the proof that the schedule overl
 from __future__ import annotations
 
 import bisect
+import gzip
 import json
 import time
 from collections.abc import Callable
@@ -83,7 +84,10 @@ def _link_events(events: list[dict[str, Any]], sync_host_s: list[float],
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
-    return json.loads(Path(path).read_text())["traceEvents"]
+    """The events of a Chrome trace, written by `profile_generation` or gzipped (as results/gpu keeps them)."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return json.loads(text)["traceEvents"]
 
 
 def _intervals(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
