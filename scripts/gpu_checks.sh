@@ -11,8 +11,9 @@
 #     which compute kernels ran, read back from it (ladder: high; standard: near zero);
 #  4. a table comparing the measured speedups with the paper's (results/gpu/comparison.md).
 # Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP,
-# LAYOUTS_70B to trim the sweep, STEP_70B, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the models and shapes (a dry run
-# on CPU: DEVICE=cpu COMPILE= PRESET_SMALL=tiny PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
+# LAYOUTS_70B to trim the sweep, STEP_70B, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the
+# models, shapes and decode step (a dry run on CPU: DEVICE=cpu COMPILE= STEP_70B= PRESET_SMALL=tiny
+# PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
 # Every sweep runs with --resume, batch size by batch size (batch 1 of both links first): on a machine
 # lent in time-limited calls, run it again and it goes on where the previous call was stopped, e.g.
 #   RESULTS=.gpu-results bash scripts/gpu_checks.sh; cp -r .gpu-results "$OUT"/   (.gpu-results is ignored by git)

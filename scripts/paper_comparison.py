@@ -7,10 +7,12 @@ pcie-no-p2p for NCCL_P2P_DISABLE=1.)"""
 import argparse
 from pathlib import Path
 
-from ladder.bench import format_summary, hidden_fraction, read_results, summarise
+from ladder.bench import decode_step, format_summary, hidden_fraction, read_results, summarise
 from ladder.costmodel import P2P_LINKS, paper_throughputs
 
 P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}
+STEP_DESCRIPTIONS = {"compiled": "torch.compile with CUDA graphs",
+                     "CUDA graph": "the eager step captured as one CUDA graph (--cuda-graph)", "eager": "eager"}
 
 
 def paper_speedups() -> dict[tuple[str, str, int, int], float]:
@@ -72,8 +74,7 @@ def main() -> None:
     print(f"Device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, ladder "
           f"{env.get('git_commit')}; {len(ok)} configurations measured, {len(records) - len(ok)} failed.\n")
     if ok:
-        step = ("torch.compile with CUDA graphs" if ok[0].get("compile") else
-                "the eager step captured as one CUDA graph (--cuda-graph)" if ok[0].get("cuda_graph") else "eager")
+        step = STEP_DESCRIPTIONS[decode_step(ok[0])]
         print(f"Decode step: {step}; {ok[0]['warmup']} warm-up + {ok[0]['runs']} measured runs of prompt "
               f"{ok[0]['prompt_len']}, {ok[0]['gen_len']} new tokens per configuration, layouts taking turns.\n")
     print("Speedup over standard at equal link and batch, beside the paper's (nvlink-h100 = P2P on, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ladder.trace import _covered, _intervals, _union, read_trace
+from ladder.trace import _intervals, _union, link_overlap, read_trace
 
 LINK_KERNEL = "spin_kernel"
 
@@ -23,23 +23,18 @@ def phases(path: Path) -> str:
     compute = [e for e in kernels if LINK_KERNEL not in e.get("name", "")]
     if not link:
         return f"{path.name}: no emulated all-reduce"
-    busy = _union(_intervals(compute))
-    ends = [b for _, b in busy]
     # The prefill runs the model once; every decode step sends as many all-reduces as the prefill did.
     per_pass = _passes(link)
     lines = [path.name]
     for name, part in (("prefill", link[:per_pass]), ("decode", link[per_pass:])):
-        if not part:
-            continue
-        spans = _intervals(part)
-        total = sum(b - a for a, b in spans)
-        overlapped = sum(_covered(s, busy, ends) for s in spans)
-        lines.append(f"  {name}: {len(part)} all-reduces of {total / len(part):.1f} us each, "
-                     f"compute during {overlapped / total:.2f} of them")
+        if part:
+            overlap = link_overlap(compute + part)
+            lines.append(f"  {name}: {len(part)} all-reduces of {overlap['link_s'] * 1e6 / len(part):.1f} us each, "
+                         f"compute during {overlap['overlap_fraction']:.2f} of them")
     decode = link[per_pass:]
     if decode:
         start, end = float(decode[0]["ts"]), max(float(e["ts"]) + float(e["dur"]) for e in kernels)
-        running = sum(min(b, end) - max(a, start) for a, b in busy if b > start)
+        running = sum(min(b, end) - max(a, start) for a, b in _union(_intervals(compute)) if b > start)
         steps = len(decode) / per_pass
         n = sum(1 for e in compute if float(e["ts"]) >= start)
         lines.append(f"  decode: {steps:.0f} steps in {(end - start) / 1e3:.1f} ms, a compute kernel running "

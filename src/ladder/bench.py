@@ -559,8 +559,8 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
             raise LadderError(f"under torchrun (WORLD_SIZE={world}) the real interconnect runs at --tp {world} only, "
                               f"not {', '.join(map(str, other))}; an emulated link (--interconnect NAME) runs any "
                               "--tp on each rank")
-    for device in {p.device for p in points}:
-        pick_device(device)  # an unknown device, or CUDA on a machine without it
+    # an unknown device, or CUDA on a machine without it, fails here
+    device_types = {device: pick_device(device).type for device in {p.device for p in points}}
     if any(p.link_scale != 1 for p in points) and not any(p.emulated for p in points):
         raise LadderError("--link-scale dilates an emulated link, and --interconnect real has none: "
                           "name one, e.g. --interconnect pcie-no-p2p")
@@ -574,9 +574,9 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
             raise LadderError(f"--link-scale must be a positive number, got {point.link_scale:g}")
         if point.cuda_graph and point.compile:
             raise LadderError("--cuda-graph and --compile both make the decode step a CUDA graph: give one")
-        if point.cuda_graph and pick_device(point.device).type != "cuda":
+        if point.cuda_graph and device_types[point.device] != "cuda":
             raise LadderError(f"--cuda-graph needs a CUDA device, and --device {point.device} is "
-                              f"{pick_device(point.device).type}")
+                              f"{device_types[point.device]}")
         if point.profile_dir is not None and point.profile_tokens < 1:
             raise LadderError(f"--profile-tokens must be >= 1, got {point.profile_tokens}")
         if point.batch_size < 1 or point.prompt_len < 1 or point.gen_len < 1:
@@ -738,11 +738,17 @@ def read_results(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def decode_step(r: dict[str, Any]) -> str:
+    """How a record's (or a point's `describe()`) decode step ran: "compiled" (torch.compile), "CUDA
+    graph" (--cuda-graph) or "eager". Steps run differently are not comparable."""
+    return "compiled" if r.get("compile") else "CUDA graph" if r.get("cuda_graph") else "eager"
+
+
 def group_key(r: dict[str, Any]) -> tuple:
-    """Results comparable with each other: same model, link, TP, batch and lengths."""
+    """Results comparable with each other: same model, link, TP, batch, lengths and decode step."""
     dilation = ("share", r["comm_share"]) if r.get("comm_share") is not None else r.get("link_scale", 1.0)
     return (r["preset"], r["interconnect"], dilation, r["tp"], r["batch_size"],
-            r["prompt_len"], r["gen_len"], r.get("device"), bool(r.get("compile")))
+            r["prompt_len"], r["gen_len"], r.get("device"), decode_step(r))
 
 
 def link_label(r: dict[str, Any]) -> str:
