@@ -738,17 +738,11 @@ def read_results(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def decode_step(r: dict[str, Any]) -> str:
-    """How a record's (or a point's `describe()`) decode step ran: "compiled" (torch.compile), "CUDA
-    graph" (--cuda-graph) or "eager". Steps run differently are not comparable."""
-    return "compiled" if r.get("compile") else "CUDA graph" if r.get("cuda_graph") else "eager"
-
-
 def group_key(r: dict[str, Any]) -> tuple:
-    """Results comparable with each other: same model, link, TP, batch, lengths and decode step."""
+    """Results comparable with each other: same model, link, TP, batch and lengths."""
     dilation = ("share", r["comm_share"]) if r.get("comm_share") is not None else r.get("link_scale", 1.0)
     return (r["preset"], r["interconnect"], dilation, r["tp"], r["batch_size"],
-            r["prompt_len"], r["gen_len"], r.get("device"), decode_step(r))
+            r["prompt_len"], r["gen_len"], r.get("device"), bool(r.get("compile")))
 
 
 def link_label(r: dict[str, Any]) -> str:
