@@ -7,17 +7,12 @@ pcie-no-p2p for NCCL_P2P_DISABLE=1.)"""
 import argparse
 from pathlib import Path
 
-from ladder.bench import format_summary, hidden_fraction, read_results, summarise
+from ladder.bench import decode_step, format_summary, hidden_fraction, read_results, summarise
 from ladder.costmodel import P2P_LINKS, paper_throughputs
 
 P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}
 STEP_DESCRIPTIONS = {"compiled": "torch.compile with CUDA graphs",
                      "CUDA graph": "the eager step captured as one CUDA graph (--cuda-graph)", "eager": "eager"}
-
-
-def decode_step(r: dict) -> str:
-    """How a record's decode step ran: "compiled" (torch.compile), "CUDA graph" (--cuda-graph) or "eager"."""
-    return "compiled" if r.get("compile") else "CUDA graph" if r.get("cuda_graph") else "eager"
 
 
 def paper_speedups() -> dict[tuple[str, str, int, int], float]:

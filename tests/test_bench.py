@@ -157,11 +157,31 @@ def test_plots_pool_records_as_the_summary_does():
     records = [record("standard", [10, 10], 50.0, 0), record("ladder", [12, 14], 40.0, 0),
                record("standard", [10, 11], 52.0, 1), record("ladder", [20, 19, 18], 30.0, 1)]
     [(panel, points)] = _pooled_points(records).items()
-    assert panel == ("tiny", "real", 8, 4, "cpu", False)
+    assert panel == ("tiny", "real", 8, 4, "cpu", "eager")
     summary = {r["layout"]: r["tokens_per_s"] for r in summarise(records)}
     assert {p.layout: p.tokens_per_s for p in points} == summary == {"standard": 10, "ladder": 18}
     assert {p.layout: p.latency_ms for p in points} == {"standard": 51.0, "ladder": 35.0}
     assert pareto_frontier([(1, 1), (2, 3), (3, 2), (4, 4)]) == [(1, 1), (2, 3), (4, 4)]
+
+
+def test_decode_steps_run_differently_are_never_pooled_or_drawn_together():
+    from ladder.plots import _pooled_points
+
+    def record(layout, tokens_per_s, **step):
+        return {"status": "ok", "preset": "tiny", "interconnect": "nvlink-h100", "emulated": True, "tp": 8,
+                "batch_size": 1, "prompt_len": 8, "gen_len": 4, "layout": layout, "tokens_per_s": tokens_per_s,
+                "env": {"device_name": "gpu"}, **step}
+
+    eager = [record("standard", 10.0), record("ladder", 12.0)]
+    graphed = [record("standard", 20.0, cuda_graph=True), record("ladder", 30.0, cuda_graph=True)]
+    rows = summarise(eager + graphed)
+    assert sorted(r["speedup"] for r in rows if r["layout"] == "ladder") == [1.2, 1.5]  # pooled: one row
+    assert {(r["decode_step"], r["layout"]): r["speedup"] for r in rows} == {
+        ("eager", "standard"): 1.0, ("eager", "ladder"): 1.2, ("CUDA graph", "standard"): 1.0,
+        ("CUDA graph", "ladder"): 1.5}
+    table = format_summary(rows)
+    assert "nvlink-h100 (emulated), CUDA graph" in table and "nvlink-h100 (emulated) " in table
+    assert sorted(panel[-1] for panel in _pooled_points(eager + graphed)) == ["CUDA graph", "eager"]
 
 
 def test_a_link_dilated_to_a_share_is_one_link_across_batch_sizes_and_days():

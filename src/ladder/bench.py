@@ -738,11 +738,17 @@ def read_results(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def decode_step(r: dict[str, Any]) -> str:
+    """How a record's decode step ran: "compiled" (torch.compile), "CUDA graph" (--cuda-graph) or
+    "eager". Steps run differently are not comparable: they are never pooled or drawn together."""
+    return "compiled" if r.get("compile") else "CUDA graph" if r.get("cuda_graph") else "eager"
+
+
 def group_key(r: dict[str, Any]) -> tuple:
-    """Results comparable with each other: same model, link, TP, batch and lengths."""
+    """Results comparable with each other: same model, link, TP, batch, lengths and decode step."""
     dilation = ("share", r["comm_share"]) if r.get("comm_share") is not None else r.get("link_scale", 1.0)
     return (r["preset"], r["interconnect"], dilation, r["tp"], r["batch_size"],
-            r["prompt_len"], r["gen_len"], r.get("device"), bool(r.get("compile")))
+            r["prompt_len"], r["gen_len"], r.get("device"), decode_step(r))
 
 
 def link_label(r: dict[str, Any]) -> str:
@@ -778,7 +784,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         tps = {label: pooled_tokens_per_s(rs) for label, rs in by_layout.items()}
         for label, rs in by_layout.items():
             row = {"preset": key[0], "interconnect": key[1], "link": link_label(rs[0]), "emulated": rs[0]["emulated"],
-                   "tp": key[3], "batch_size": key[4], "layout": label, "tokens_per_s": tps[label],
+                   "decode_step": key[-1], "tp": key[3], "batch_size": key[4], "layout": label, "tokens_per_s": tps[label],
                    "records": len(rs), "speedup": None, "hidden": None, "hidden_in_run": _pooled_in_run(rs)}
             if "standard" in tps:
                 row["speedup"] = tps[label] / tps["standard"]
@@ -789,7 +795,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                     row["hidden_interval"] = hidden_interval(triple)
             rows.append(row)
     order = {"standard": 0, "parallel": 1, "ladder": 2, "desync": 3, "upper-bound": 4}
-    rows.sort(key=lambda r: (r["preset"], r["link"], r["tp"], r["batch_size"],
+    rows.sort(key=lambda r: (r["preset"], r["link"], r["decode_step"], r["tp"], r["batch_size"],
                              order.get(r["layout"].split("[")[0], 9), r["layout"]))
     return rows
 
@@ -911,7 +917,8 @@ def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
     rounds = r.get("hidden_rounds") or []
     spread = f"{min(rounds):.2f}..{max(rounds):.2f}" if rounds else ""
     in_run = f"{r['hidden_in_run']:.2f}" if r.get("hidden_in_run") is not None else ""
-    return r["link"], speed, hidden, confidence, spread, in_run
+    step = r.get("decode_step", "eager")
+    return r["link"] + ("" if step == "eager" else f", {step}"), speed, hidden, confidence, spread, in_run
 
 
 def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
@@ -929,7 +936,7 @@ def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
                          f"{speed} | {hidden} | {confidence} | {spread} | {in_run} |")
         return "\n".join(lines)
     width = max([14] + [len(r["preset"]) + 2 for r in rows])
-    link_width = max([28] + [len(r["link"]) + 1 for r in rows])
+    link_width = max([28] + [len(_summary_cells(r)[0]) + 1 for r in rows])
     header = (f"{'preset':<{width}}{'interconnect':<{link_width}}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}"
               f"{'speedup':>9}{'hidden':>8}{'95% CI':>12}{'rounds':>12}{'in run':>8}")
     lines = [header, "-" * len(header)]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ladder.bench import layout_label, link_label, pooled_tokens_per_s
+from ladder.bench import decode_step, layout_label, link_label, pooled_tokens_per_s
 from ladder.errors import LadderError
 
 COLORS = {"standard": "tab:gray", "parallel": "tab:blue", "ladder": "tab:red", "desync": "tab:purple",
@@ -25,18 +25,18 @@ def _pyplot():
     return plt
 
 
-Panel = tuple  # (preset, link label, prompt_len, gen_len, device name, compiled): results drawn together
+Panel = tuple  # (preset, link label, prompt_len, gen_len, device name, decode step): results drawn together
 
 
 def _panel(r: dict[str, Any]) -> Panel:
     return (r["preset"], link_label(r), r["prompt_len"], r["gen_len"], r.get("env", {}).get("device_name", "?"),
-            bool(r.get("compile")))
+            decode_step(r))
 
 
 def _panel_title(panel: Panel) -> str:
-    preset, link, prompt_len, gen_len, device_name, compiled = panel
-    return (f"{preset}, {link}\nprompt {prompt_len}, {gen_len} new tokens, {device_name}"
-            f"{', compiled' if compiled else ''}")
+    preset, link, prompt_len, gen_len, device_name, step = panel
+    return (f"{preset}, {link}\nprompt {prompt_len}, {gen_len} new tokens\n{device_name}"
+            f"{'' if step == 'eager' else ', ' + step}")
 
 
 @dataclass
