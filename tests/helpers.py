@@ -52,7 +52,8 @@ def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Se
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                                "-m", "ladder.cli", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "LADDER_DIST_TIMEOUT": str(dist_timeout_s), "OMP_NUM_THREADS": "1"})
+                              text=True, env={**os.environ, "LADDER_DIST_TIMEOUT": str(dist_timeout_s),
+                                                 "OMP_NUM_THREADS": "1"})
              for node, (args, cwd) in enumerate(zip(args_of_node, cwd_of_node, strict=True))]
     deadline = time.monotonic() + timeout
     try:
@@ -64,7 +65,8 @@ def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Se
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        said = [f"node {rank} (status {node.wait()}):\n{node.communicate()[1][-3000:]}" for rank, node in enumerate(nodes)]
+        said = [f"node {rank} (status {node.wait()}):\n{node.communicate()[1][-3000:]}"
+                for rank, node in enumerate(nodes)]
         raise AssertionError(f"two torchrun nodes still running after {timeout:g} s\n" + "\n".join(said)) from None
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]
 

@@ -784,8 +784,8 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         tps = {label: pooled_tokens_per_s(rs) for label, rs in by_layout.items()}
         for label, rs in by_layout.items():
             row = {"preset": key[0], "interconnect": key[1], "link": link_label(rs[0]), "emulated": rs[0]["emulated"],
-                   "decode_step": key[-1], "tp": key[3], "batch_size": key[4], "layout": label, "tokens_per_s": tps[label],
-                   "records": len(rs), "speedup": None, "hidden": None, "hidden_in_run": _pooled_in_run(rs)}
+                   "decode_step": key[-1], "tp": key[3], "batch_size": key[4], "layout": label,
+                   "tokens_per_s": tps[label], "records": len(rs), "speedup": None, "hidden": None, "hidden_in_run": _pooled_in_run(rs)}
             if "standard" in tps:
                 row["speedup"] = tps[label] / tps["standard"]
                 if label.startswith("ladder") and "upper-bound" in tps and key[3] > 1:  # TP 1: nothing to hide
