@@ -21,7 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
@@ -84,6 +84,17 @@ def _t(x: float | torch.Tensor) -> torch.Tensor:
 MODELLED_LAYOUTS = ("standard", "parallel", "upper-bound", "ladder")  # (desync and hybrid: not modelled)
 
 
+def interference(k: dict[str, torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
+    """rho: the fraction of the shorter side of an overlap that is not hidden (NCCL kernels take SMs
+    from the matmuls), growing with the batch."""
+    return torch.clamp(k["overlap_penalty"] + k["overlap_penalty_growth"] * torch.log2(batch), max=1.0)
+
+
+def overlapped(compute: torch.Tensor, all_reduce: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """Time of a module's compute run beside an all-reduce: the longer side, plus the lost part of the other."""
+    return torch.maximum(compute, all_reduce) + rho * torch.minimum(compute, all_reduce)
+
+
 def predict_seconds(w: Workload, layout: str, gpu: GPU, link: LinkModel, k: dict[str, torch.Tensor]
                     ) -> torch.Tensor:
     """Predicted prefill + decode time (s) of one generation. `k`: the constants as tensors."""
@@ -119,21 +130,19 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     mem_bw = k["mem_efficiency"] * gpu.hbm_bytes_per_s
     flops = k["flop_efficiency"] * gpu.bf16_flops_per_s
     module_s, step_s = k["module_overhead_us"] * 1e-6, k["step_overhead_us"] * 1e-6
-    rho = torch.clamp(k["overlap_penalty"] + k["overlap_penalty_growth"] * torch.log2(b), max=1.0)
+    rho = interference(k, b)
     chosen = torch.tensor([MODELLED_LAYOUTS.index(layout) for layout in layouts])[None]
 
     def roof(n_bytes, n_flops):
         return torch.maximum(_t(n_bytes) / mem_bw, _t(n_flops) / flops) + module_s
 
     def combine(c_attn, c_mlp, a):  # each row's layout
-        def hidden(cj, aj):
-            return torch.maximum(cj, aj) + rho * torch.minimum(cj, aj)
-
         L = c.n_layers
         by_layout = {"standard": L * (c_attn + c_mlp + 2 * a),
                      "parallel": L * (c_attn + c_mlp + a),
                      "upper-bound": L * (c_attn + c_mlp),
-                     "ladder": L * (hidden(c_attn, a) + hidden(c_mlp, a)) + a}  # only the last all-reduce is exposed
+                     # (ladder: only the last all-reduce is exposed)
+                     "ladder": L * (overlapped(c_attn, a, rho) + overlapped(c_mlp, a, rho)) + a}
         return torch.stack([by_layout[name].expand(len(layouts)) for name in MODELLED_LAYOUTS]).gather(0, chosen)[0]
 
     # prefill: b * P tokens at once (compute-bound), causal attention over P
@@ -153,9 +162,16 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     return prefill + gen_len * step
 
 
-def predict_tokens_per_s(w: Workload, layout: str, gpu: GPU, link: LinkModel,
-                         constants: CostConstants) -> float:
-    k = {name: _t(v) for name, v in asdict(constants).items()}
+Constants = CostConstants | Mapping[str, float]  # (a mapping: a variant's own constants, scripts/costmodel_variants.py)
+LinkOf = Callable[[str], LinkModel]  # a link preset's name -> the link model that stands for it
+
+
+def _values(constants: Constants) -> dict[str, float]:
+    return asdict(constants) if isinstance(constants, CostConstants) else dict(constants)
+
+
+def predict_tokens_per_s(w: Workload, layout: str, gpu: GPU, link: LinkModel, constants: Constants) -> float:
+    k = {name: _t(v) for name, v in _values(constants).items()}
     return w.batch_size * w.gen_len / float(predict_seconds(w, layout, gpu, link, k))
 
 
@@ -177,7 +193,7 @@ def paper_throughputs() -> dict[tuple[str, int, int, str], float]:
     return {(r["layout"], r["tp"], r["batch_size"], r["p2p"]): r["tokens_per_s"] for r in paper_table()}
 
 
-def predicted_speedup(w: Workload, layout: str, gpu: GPU, link: LinkModel, constants: CostConstants) -> float:
+def predicted_speedup(w: Workload, layout: str, gpu: GPU, link: LinkModel, constants: Constants) -> float:
     """Predicted tokens/s of `layout` over standard's."""
     return (predict_tokens_per_s(w, layout, gpu, link, constants)
             / predict_tokens_per_s(w, "standard", gpu, link, constants))
@@ -191,17 +207,29 @@ def _row_workload(r: dict[str, Any]) -> Workload:
     return Workload(get_preset("llama-3-70b"), r["tp"], r["batch_size"], r["prompt_len"], r["gen_len"])
 
 
-_BOUNDS = {"mem_efficiency": (0.05, 1.0), "attention_efficiency": (0.01, 1.0), "flop_efficiency": (0.05, 1.0),
-           "overlap_penalty": (0.0, 1.0)}
+BOUNDS = {"mem_efficiency": (0.05, 1.0), "attention_efficiency": (0.01, 1.0), "flop_efficiency": (0.05, 1.0),
+          "overlap_penalty": (0.0, 1.0)}  # constants with a range; the others are positive
+
+
+def _preset_link(name: str) -> LinkModel:
+    return link_presets()[name]
 
 
 def fit(rows: list[dict[str, Any]], gpu: GPU = GPUS["h100"], steps: int = 600) -> CostConstants:
     """Least squares on log tokens/s over `rows` (Adam on unconstrained parameters; deterministic)."""
-    init = CostConstants()
+    return CostConstants(**fit_constants(rows, asdict(CostConstants()), gpu=gpu, steps=steps))
+
+
+def fit_constants(rows: list[dict[str, Any]], init: Mapping[str, float],
+                  bounds: Mapping[str, tuple[float, float]] = BOUNDS, gpu: GPU = GPUS["h100"], steps: int = 600,
+                  link_of: LinkOf = _preset_link,
+                  extra_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None) -> dict[str, float]:
+    """`fit` from any starting constants (`init`: every constant the model reads), with each row's link
+    looked up by `link_of` and, if given, `extra_loss(constants)` added to the loss."""
     raw = {}
-    for name, value in asdict(init).items():
-        if name in _BOUNDS:
-            lo, hi = _BOUNDS[name]
+    for name, value in init.items():
+        if name in bounds:
+            lo, hi = bounds[name]
             p = (value - lo) / (hi - lo)
             raw[name] = torch.tensor(math.log(p / (1 - p)), dtype=torch.float64, requires_grad=True)
         else:
@@ -210,8 +238,8 @@ def fit(rows: list[dict[str, Any]], gpu: GPU = GPUS["h100"], steps: int = 600) -
     def constants() -> dict[str, torch.Tensor]:
         out = {}
         for name, v in raw.items():
-            if name in _BOUNDS:
-                lo, hi = _BOUNDS[name]
+            if name in bounds:
+                lo, hi = bounds[name]
                 out[name] = lo + (hi - lo) * torch.sigmoid(v)
             else:
                 out[name] = torch.exp(v)
@@ -219,7 +247,7 @@ def fit(rows: list[dict[str, Any]], gpu: GPU = GPUS["h100"], steps: int = 600) -
 
     targets = torch.tensor([math.log(r["tokens_per_s"]) for r in rows], dtype=torch.float64)
     workloads, layouts = [_row_workload(r) for r in rows], [r["layout"] for r in rows]
-    links = [link_presets()[P2P_LINKS[r["p2p"]]] for r in rows]
+    links = [link_of(P2P_LINKS[r["p2p"]]) for r in rows]
     tokens = torch.tensor([r["batch_size"] * r["gen_len"] for r in rows], dtype=torch.float64)
     optimizer = torch.optim.Adam(raw.values(), lr=0.05)
     for _ in range(steps):
@@ -228,9 +256,11 @@ def fit(rows: list[dict[str, Any]], gpu: GPU = GPUS["h100"], steps: int = 600) -
         seconds = predict_seconds_of(workloads, layouts, gpu, links, k)
         preds = torch.log(tokens / seconds)
         loss = ((preds - targets) ** 2).mean()
+        if extra_loss is not None:
+            loss = loss + extra_loss(k)
         loss.backward()
         optimizer.step()
-    return CostConstants(**{name: float(v.detach()) for name, v in constants().items()})
+    return {name: float(v.detach()) for name, v in constants().items()}
 
 
 FITTED_FILE = "data/costmodel-fit.json"
@@ -267,7 +297,8 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     return rows
 
 
-def validate(constants: CostConstants | None = None, tolerance: float = 0.05) -> dict[str, Any]:
+def validate(constants: Constants | None = None, tolerance: float = 0.05,
+             link_of: LinkOf = _preset_link) -> dict[str, Any]:
     """Predicted vs published ladder/standard speedup at every held-out (TP, batch, P2P) point."""
     constants = constants or fitted_constants()
     by_key = paper_throughputs()
@@ -277,12 +308,11 @@ def validate(constants: CostConstants | None = None, tolerance: float = 0.05) ->
             continue
         published = by_key[("ladder", tp, b, p2p)] / std
         w = Workload(get_preset("llama-3-70b"), tp, b)
-        link = link_presets()[P2P_LINKS[p2p]]
-        predicted = predicted_speedup(w, "ladder", GPUS["h100"], link, constants)
+        predicted = predicted_speedup(w, "ladder", GPUS["h100"], link_of(P2P_LINKS[p2p]), constants)
         points.append({"tp": tp, "batch_size": b, "p2p": p2p, "published": published, "predicted": predicted,
                        "error": predicted - published, "within": abs(predicted - published) <= tolerance})
     within = sum(p["within"] for p in points)
-    return {"constants": asdict(constants), "tolerance": tolerance, "points": points,
+    return {"constants": _values(constants), "tolerance": tolerance, "points": points,
             "fraction_within": within / len(points) if points else 0.0,
             "train_batches": TRAIN_BATCHES, "held_out_batches": HELD_OUT_BATCHES}
 
@@ -311,20 +341,24 @@ UNSEEN_SETTINGS = {setting.name: setting for setting in (
 )}
 
 
-def validate_unseen(setting: UnseenSetting, constants: CostConstants | None = None,
-                    tolerance: float = 0.05) -> dict[str, Any]:
+def unseen_rows(setting: UnseenSetting) -> list[tuple[Workload, str, str, float]]:
+    """The setting's published points: (workload, layout, p2p condition, speedup over standard)."""
+    text = resources.files("ladder").joinpath(setting.csv).read_text()
+    return [(Workload(get_preset(r["model"]), int(r["tp"]), int(r["batch_size"]), int(r["prompt_len"]),
+                      int(r["gen_len"])), r["layout"], r["p2p"], float(r["speedup_over_standard"]))
+            for r in csv.DictReader(text.splitlines())]
+
+
+def validate_unseen(setting: UnseenSetting, constants: Constants | None = None, tolerance: float = 0.05,
+                    link_of: LinkOf = _preset_link) -> dict[str, Any]:
     """Predicted vs published speedup over standard where nothing was fitted: how the constants fitted
     on the 70B table at TP <= 8 carry over to another model size or another link."""
     constants = constants or fitted_constants()
-    text = resources.files("ladder").joinpath(setting.csv).read_text()
     points = []
-    for r in csv.DictReader(text.splitlines()):
-        w = Workload(get_preset(r["model"]), int(r["tp"]), int(r["batch_size"]), int(r["prompt_len"]),
-                     int(r["gen_len"]))
-        link = link_presets()[setting.links[r["p2p"]]]
-        predicted = predicted_speedup(w, r["layout"], GPUS["h100"], link, constants)
-        published = float(r["speedup_over_standard"])
-        points.append({"layout": r["layout"], "tp": w.tp, "batch_size": w.batch_size, "p2p": r["p2p"],
+    for w, layout, p2p, published in unseen_rows(setting):
+        link = link_of(setting.links[p2p])
+        predicted = predicted_speedup(w, layout, GPUS["h100"], link, constants)
+        points.append({"layout": layout, "tp": w.tp, "batch_size": w.batch_size, "p2p": p2p,
                        "interconnect": link.name, "published": published, "predicted": predicted,
                        "error": predicted - published, "within": abs(predicted - published) <= tolerance})
     within = sum(p["within"] for p in points)

@@ -84,7 +84,7 @@ def fit_link(name: str, measurements: list[tuple[int, Collectives, float]], sour
 CALIBRATION_BATCHES = (1, 64)  # the cost model is judged on the other batch sizes of the table
 
 
-def _paper_measurements(p2p: str) -> list[tuple[int, Collectives, float]]:
+def paper_measurements(p2p: str) -> list[tuple[int, Collectives, float]]:
     """All-reduce timings implied by the ladder paper (ICML 2025), 8x H100 SXM, fp16:
     * its NCCL measurement: 1M fp32 elements (4 MiB) on 8 GPUs take 78.6 us with P2P (NVLink) and
       135.4 us with NCCL_P2P_DISABLE=1;
@@ -112,10 +112,10 @@ def _paper_measurements(p2p: str) -> list[tuple[int, Collectives, float]]:
 def link_presets() -> dict[str, LinkModel]:
     """The named links of `--interconnect`, with where each number comes from."""
     return {
-        "nvlink-h100": fit_link("nvlink-h100", _paper_measurements("on"),
+        "nvlink-h100": fit_link("nvlink-h100", paper_measurements("on"),
                                 "ladder paper, 8x H100 NVLink: NCCL 4 MiB all-reduce + 70B standard-vs-upper-bound "
                                 "gaps at batch 1 and 64"),
-        "pcie-no-p2p": fit_link("pcie-no-p2p", _paper_measurements("off"),
+        "pcie-no-p2p": fit_link("pcie-no-p2p", paper_measurements("off"),
                                 "ladder paper, 8x H100, NCCL_P2P_DISABLE=1: NCCL 4 MiB all-reduce + 70B gaps at "
                                 "batch 1 and 64"),
         # PCIe Gen5 x16 peer-to-peer: ~50 GB/s per direction; NCCL ring bus bandwidth through a PCIe
