@@ -83,6 +83,20 @@ def test_predict_command_prints_the_table_of_the_api():
     assert [r["tokens_per_s"] for r in rows] == pytest.approx([r["tokens_per_s"] for r in expected], rel=1e-9)
 
 
+def test_every_prediction_states_the_validated_accuracy():
+    out = ladder_cli("predict", "--preset", "llama-3-8b", "--interconnect", "nvlink-h100", "--tp", "8",
+                     "--batch-sizes", "1")
+    assert out.returncode == 0, out.stderr
+    report = validate()
+    within = sum(p["within"] for p in report["points"])
+    worst = max(abs(p["error"]) for p in report["points"])
+    footer = out.stdout.split("accuracy: ")[1]
+    assert f"on {within}/{len(report['points'])} held-out llama-3-70b points (worst off by {worst:.2f})" in footer
+    for name, setting in UNSEEN_SETTINGS.items():
+        unseen = validate_unseen(setting)
+        assert f"{sum(p['within'] for p in unseen['points'])}/{len(unseen['points'])} on {name}" in footer
+
+
 @pytest.mark.parametrize("args,message", [
     (["--batch-sizes", "0"], "batch sizes, --prompt-len and --gen-len must be >= 1"),
     (["--gen-len", "0"], "batch sizes, --prompt-len and --gen-len must be >= 1"),

@@ -368,8 +368,8 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     import json
 
-    from ladder.costmodel import (UNSEEN_SETTINGS, fitted_constants, get_gpu, predict_table, validate,
-                                  validate_unseen)
+    from ladder.costmodel import (UNSEEN_SETTINGS, fitted_constants, get_gpu, predict_table, stored_accuracy,
+                                  validate, validate_unseen)
     from ladder.interconnect import get_link
 
     if args.validate:
@@ -408,6 +408,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(f"{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'speedup':>9}")
     for r in rows:
         print(f"{r['batch_size']:>6}  {r['layout']:<12}{r['tokens_per_s']:>10.1f}{r['speedup']:>9.3f}")
+    print(stored_accuracy())
     return 0
 
 

@@ -277,6 +277,22 @@ def fitted_constants() -> CostConstants:
     return CostConstants(**json.loads(text)["constants"])
 
 
+def stored_accuracy() -> str:
+    """Two lines on how close the stored fit comes to the paper's speedups (from its validation in
+    costmodel-fit.json), printed under every prediction so no table is read as exact."""
+    stored = json.loads(resources.files("ladder").joinpath(FITTED_FILE).read_text())
+    held_out = stored["validation"]
+    worst = max(abs(p["error"]) for p in held_out["points"])
+
+    def score(report: dict[str, Any]) -> str:
+        return f"{sum(p['within'] for p in report['points'])}/{len(report['points'])}"
+
+    unseen = " and ".join(f"{score(report)} on {name}" for name, report in stored["unseen"].items())
+    return (f"accuracy: speedups within {held_out['tolerance']} of the paper's on {score(held_out)} held-out "
+            f"llama-3-70b points (worst off by {worst:.2f}),\n"
+            f"          {unseen}, never fitted (ladder predict --validate)")
+
+
 def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: list[int],
                   layouts: list[str], prompt_len: int, gen_len: int,
                   constants: CostConstants | None = None) -> list[dict[str, Any]]:
