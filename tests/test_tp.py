@@ -99,3 +99,29 @@ def test_real_gloo_schedule_overlaps_ladder_only(tp2):
         assert not any(overlapped_modules(schedules["standard"]))
         hybrid = overlapped_modules(schedules["hybrid"])  # ladder on the last 2 of 4 layers
         assert hybrid == [j >= 4 for j in range(len(hybrid))]
+
+
+def _gloo_threads_after_shutdown() -> tuple[int, int, int]:
+    """Threads of this rank: before the group, with it (after collectives of every kind), after shutdown."""
+    import os
+
+    from ladder.distributed import init_distributed, shutdown_distributed
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    comm = init_distributed("cpu").communicator()
+    x = torch.ones(2, 3)
+    comm.all_reduce(x), comm.all_reduce_async(x).wait(), comm.all_gather_last_dim(x)
+    during = threads()
+    shutdown_distributed()  # the communicator is still alive here, as a model holding it would be
+    return before, during, threads()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_shutdown_joins_the_gloo_threads_while_python_is_alive():
+    """Left to interpreter finalization, a gloo thread releasing its last collective takes the GIL and
+    aborts the process (SIGABRT) now and then; shutdown must end them (see ladder.distributed)."""
+    for before, during, after in launch(_gloo_threads_after_shutdown, 2).values():
+        assert during > before and after == before, (before, during, after)

@@ -18,7 +18,6 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from ladder.errors import LadderError
 
@@ -77,8 +76,17 @@ class LocalCommunicator:
         return x
 
 
-# torch 2.13 renamed all_gather_tensor to all_gather_single; 2.11 (the GPU machine's) has only the old name.
-_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+# The functional collectives as their raw ops, on tensors and a group's name. funcol's eager wrappers
+# (funcol.all_reduce returns an AsyncCollectiveTensor) keep the process group alive past
+# destroy_process_group, and with it gloo's worker threads: one of them releasing its last collective
+# after the interpreter has begun to finalize takes the GIL and aborts the process (SIGABRT,
+# "terminate called without an active exception": pytorch#190489; 1 exit in 30 under load, two
+# nodes under torchrun). On the raw ops destroy_process_group joins those threads before we return.
+_functional = torch.ops._c10d_functional
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    return _functional.wait_tensor(tensor)
 
 
 class _FunctionalHandle:
@@ -89,14 +97,14 @@ class _FunctionalHandle:
         if after is not None and torch.compiler.is_compiling():
             torch.ops.ladder.wait_after(self.pending, after)
             return self.pending
-        return funcol.wait_tensor(self.pending)
+        return _wait(self.pending)
 
 
 @torch.library.custom_op("ladder::wait_after", mutates_args=("tensor",))
 def _wait_after(tensor: torch.Tensor, after: torch.Tensor) -> None:
-    """funcol.wait_tensor(tensor), ordered after `after` is computed. It "writes" `tensor`, so
+    """The wait for `tensor`'s collective, ordered after `after` is computed. It "writes" `tensor`, so
     whatever reads the reduced tensor is ordered after the wait."""
-    funcol.wait_tensor(tensor)
+    _wait(tensor)
 
 
 class TorchCommunicator:
@@ -108,23 +116,22 @@ class TorchCommunicator:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group or dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        group = group or dist.group.WORLD
+        self.group_name = group.group_name  # (not the group: see _functional)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.group))
+        return _wait(_functional.all_reduce(x, "sum", self.group_name))
 
     def all_reduce_async(self, x: torch.Tensor) -> Handle:
-        if torch.compiler.is_compiling():
-            # Traced, funcol.all_reduce waits at once (it leaves moving the wait to the compiler, which
-            # by default does not): the raw op leaves the wait where `Handle.wait()` is called.
-            return _FunctionalHandle(torch.ops._c10d_functional.all_reduce(x, "sum", self.group.group_name))
-        return _FunctionalHandle(funcol.all_reduce(x, "sum", self.group))
+        # Launched here, waited where `Handle.wait()` is called, eagerly and traced alike (funcol's
+        # wrapper would wait at once when traced, leaving the compiler to move the wait, which it does not).
+        return _FunctionalHandle(_functional.all_reduce(x, "sum", self.group_name))
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        gathered = funcol.wait_tensor(_all_gather_single(x.contiguous(), 0, self.group))  # (W*B, ...)
-        return torch.cat(gathered.chunk(self.world_size, dim=0), dim=-1)
+        gathered = _wait(_functional.all_gather_into_tensor(x.contiguous(), self.world_size, self.group_name))
+        return torch.cat(gathered.chunk(self.world_size, dim=0), dim=-1)  # (W*B, ...) -> (B, ..., W*D)
 
 
 @dataclass(frozen=True)
