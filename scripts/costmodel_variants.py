@@ -14,7 +14,8 @@ import torch
 
 from ladder import costmodel
 from ladder.costmodel import (BOUNDS, GPUS, P2P_LINKS, TRAIN_BATCHES, UNSEEN_SETTINGS, CostConstants, LinkOf,
-                              fit_constants, paper_table, predict_seconds_of, unseen_rows, validate, validate_unseen)
+                              fit_constants, paper_table, predict_seconds_of, score, unseen_rows, validate,
+                              validate_unseen)
 from ladder.interconnect import Collectives, LinkModel, link_presets, paper_measurements
 
 # NCCL's model of a ring all-reduce per protocol (src/graph/tuning.cc, NCCL 2.19 on): base latency and
@@ -100,10 +101,6 @@ def loss_on_8b_speedups(link_of: LinkOf) -> Callable[[dict[str, torch.Tensor]], 
         predicted = torch.log(standard / predict_seconds_of(workloads, layouts, GPUS["h100"], links, k))
         return ((predicted - published) ** 2).mean()
     return loss
-
-
-def score(report: dict) -> str:
-    return f"{sum(p['within'] for p in report['points'])}/{len(report['points'])}"
 
 
 def run(name: str, link_of: LinkOf = link_presets().__getitem__, interference=None, overlapped=None,

@@ -1,5 +1,7 @@
 """Every layout at TP=2 (two real gloo processes) equals the same layout at TP=1."""
 
+import os
+
 import pytest
 import torch
 
@@ -103,8 +105,6 @@ def test_real_gloo_schedule_overlaps_ladder_only(tp2):
 
 def _gloo_threads_after_shutdown() -> tuple[int, int, int]:
     """Threads of this rank: before the group, with it (after collectives of every kind), after shutdown."""
-    import os
-
     from ladder.distributed import init_distributed, shutdown_distributed
 
     def threads() -> int:
@@ -119,7 +119,7 @@ def _gloo_threads_after_shutdown() -> tuple[int, int, int]:
     return before, during, threads()
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_shutdown_joins_the_gloo_threads_while_python_is_alive():
     """Left to interpreter finalization, a gloo thread releasing its last collective takes the GIL and
     aborts the process (SIGABRT) now and then; shutdown must end them (see ladder.distributed)."""

@@ -368,8 +368,8 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     import json
 
-    from ladder.costmodel import (UNSEEN_SETTINGS, fitted_constants, get_gpu, predict_table, stored_accuracy,
-                                  validate, validate_unseen)
+    from ladder.costmodel import (UNSEEN_SETTINGS, fitted_constants, get_gpu, predict_table, score,
+                                  stored_accuracy, validate, validate_unseen)
     from ladder.interconnect import get_link
 
     if args.validate:
@@ -380,8 +380,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         for p in report["points"]:
             print(f"{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}{p['predicted']:>11.3f}"
                   f"{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
-        within = sum(p["within"] for p in report["points"])
-        print(f"{within}/{len(report['points'])} within {report['tolerance']} of the published ladder/standard "
+        print(f"{score(report)} within {report['tolerance']} of the published ladder/standard "
               f"speedup ({report['fraction_within']:.0%}); * marks the others")
         for setting in UNSEEN_SETTINGS.values():
             other = validate_unseen(setting, fitted_constants())
@@ -390,8 +389,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             for p in other["points"]:
                 print(f"{p['layout']:<10}{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}"
                       f"{p['predicted']:>11.3f}{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
-            within = sum(p["within"] for p in other["points"])
-            print(f"{within}/{len(other['points'])} within {other['tolerance']} ({other['fraction_within']:.0%})")
+            print(f"{score(other)} within {other['tolerance']} ({other['fraction_within']:.0%})")
         return 0
     link = get_link(args.interconnect, args.link_latency_us, args.link_bandwidth_gbps)
     if link is None:

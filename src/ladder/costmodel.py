@@ -67,7 +67,7 @@ class CostConstants:
     overlap_penalty: float = 0.2  # rho at batch 1: fraction of the overlapped shorter side not hidden
     overlap_penalty_growth: float = 0.05  # rho grows by this per doubling of the batch (more NCCL SMs)
     # parallel normalises one input for both modules of a layer (layouts.md): the part of a module's
-    # fixed cost it saves per layer. Without it, parallel was under-predicted by 0.05 at TP 8 in the fit.
+    # fixed cost it saves per layer. Without it, parallel's speedup came out 0.02-0.06 low at TP 8 in the fit.
     shared_norm_fraction: float = 0.3
 
 
@@ -212,8 +212,9 @@ def _row_workload(r: dict[str, Any]) -> Workload:
     return Workload(get_preset("llama-3-70b"), r["tp"], r["batch_size"], r["prompt_len"], r["gen_len"])
 
 
+# constants with a range; the others are positive
 BOUNDS = {"mem_efficiency": (0.05, 1.0), "attention_efficiency": (0.01, 1.0), "flop_efficiency": (0.05, 1.0),
-          "overlap_penalty": (0.0, 1.0), "shared_norm_fraction": (0.0, 1.0)}  # constants with a range; the others are positive
+          "overlap_penalty": (0.0, 1.0), "shared_norm_fraction": (0.0, 1.0)}
 
 
 def _preset_link(name: str) -> LinkModel:
@@ -276,22 +277,27 @@ def fit_on_paper() -> CostConstants:
     return fit([r for r in paper_table() if r["batch_size"] in TRAIN_BATCHES])
 
 
+def _stored_fit() -> dict[str, Any]:
+    """costmodel-fit.json: the constants, their held-out validation and the unseen settings' reports."""
+    return json.loads(resources.files("ladder").joinpath(FITTED_FILE).read_text())
+
+
 def fitted_constants() -> CostConstants:
     """The stored result of `fit_on_paper()` (written by scripts/fit_costmodel.py, checked by a test)."""
-    text = resources.files("ladder").joinpath(FITTED_FILE).read_text()
-    return CostConstants(**json.loads(text)["constants"])
+    return CostConstants(**_stored_fit()["constants"])
+
+
+def score(report: dict[str, Any]) -> str:
+    """"7/10": a validation report's points within its tolerance, of all of them."""
+    return f"{sum(p['within'] for p in report['points'])}/{len(report['points'])}"
 
 
 def stored_accuracy() -> str:
     """Two lines on how close the stored fit comes to the paper's speedups (from its validation in
     costmodel-fit.json), printed under every prediction so no table is read as exact."""
-    stored = json.loads(resources.files("ladder").joinpath(FITTED_FILE).read_text())
+    stored = _stored_fit()
     held_out = stored["validation"]
     worst = max(abs(p["error"]) for p in held_out["points"])
-
-    def score(report: dict[str, Any]) -> str:
-        return f"{sum(p['within'] for p in report['points'])}/{len(report['points'])}"
-
     unseen = " and ".join(f"{score(report)} on {name}" for name, report in stored["unseen"].items())
     return (f"accuracy: speedups within {held_out['tolerance']} of the paper's on {score(held_out)} held-out "
             f"llama-3-70b points (worst off by {worst:.2f}),\n"
