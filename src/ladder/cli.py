@@ -373,7 +373,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from ladder.interconnect import get_link
 
     if args.validate:
-        report = validate(fitted_constants())
+        constants = fitted_constants()
+        report = validate(constants)
         print("cost model vs the paper's Llama-3-70B H100 table, held-out batch sizes "
               f"{report['held_out_batches']} (fitted on {report['train_batches']}):")
         print(f"{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}")
@@ -383,7 +384,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"{score(report)} within {report['tolerance']} of the published ladder/standard "
               f"speedup ({report['fraction_within']:.0%}); * marks the others")
         for setting in UNSEEN_SETTINGS.values():
-            other = validate_unseen(setting, fitted_constants())
+            other = validate_unseen(setting, constants)
             print(f"\n{other['description']}:")
             print(f"{'layout':<10}{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}")
             for p in other["points"]:
