@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -311,6 +312,35 @@ def test_failed_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert [r["status"] for r in records] == ["failed", "ok"]
     assert "needs about" in records[0]["error"] and "GiB" in records[0]["error"]
     assert len(read_results(out)) == 3  # earlier results kept, both new ones appended
+
+
+def test_a_record_is_marked_dirty_by_changed_code_not_by_rewritten_results(tmp_path):
+    # A repository laid out like ours: the package under src/, a tracked results file beside it.
+    package, results = tmp_path / "src" / "pkg", tmp_path / "results" / "bench.jsonl"
+    package.mkdir(parents=True)
+    results.parent.mkdir()
+    (package / "model.py").write_text("x = 1\n")
+    results.write_text("{}\n")
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    clean = bench.git_commit(package)
+    assert clean and not clean.endswith("-dirty")
+
+    results.unlink()  # what scripts/run.sh does to the committed results: moved aside, then rewritten
+    results.write_text('{"status": "ok"}\n')
+    assert bench.git_commit(package) == clean
+
+    (package / "model.py").write_text("x = 2\n")
+    assert bench.git_commit(package) == clean + "-dirty"
+    git("checkout", "-q", "--", "src")
+    (package / "extra.py").write_text("y = 1\n")  # a new module the package may import
+    assert bench.git_commit(package) == clean + "-dirty"
 
 
 def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, monkeypatch):

@@ -513,7 +513,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     from ladder import __version__
     env: dict[str, Any] = {
         "ladder": __version__,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -529,15 +529,16 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-def _git_commit() -> str | None:
-    """The checkout's commit, with "-dirty" when tracked files differ from it (the code that ran is not
-    that commit's)."""
+def git_commit(package_dir: Path = Path(__file__).parent) -> str | None:
+    """The checkout's commit, with "-dirty" when the package's own files differ from it (the code that ran
+    is not that commit's). Only the package counts: the benchmark rewrites tracked results files itself
+    (scripts/run.sh's results/cpu/bench.jsonl), and those do not change what ran."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).parent).stdout.strip()
+                              cwd=package_dir).stdout.strip()
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        return (commit + "-dirty" if git("status", "--porcelain", "--untracked-files=no") else commit) or None
+        return (commit + "-dirty" if git("status", "--porcelain", "--", ".") else commit) or None
     except (OSError, subprocess.SubprocessError):
         return None
 
