@@ -469,7 +469,19 @@ def test_step_interleaved_sweep_records_each_layouts_own_steps(tmp_path):
         run_sweep(points, tmp_path / "r.jsonl", progress=False, interleave="tokens")
 
 
-def test_generations_in_turns_keep_their_own_caches_samples_and_clocks():
+@pytest.fixture
+def one_intra_op_thread():
+    """Matrix products on the calling thread only. After a long idle wait, torch's intra-op worker
+    threads are asleep, and on a loaded machine waking them takes a scheduler slice: beside two busy
+    loops, upper bound's 3 steps of the tiny model took up to 109 ms with 2 threads after 25 ms waits,
+    and 9 ms with 1 (and 1 run in 25 of the test below failed with 2 threads and 5 ms waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_generations_in_turns_keep_their_own_caches_samples_and_clocks(one_intra_op_thread):
     """Three layouts stepped in turns produce the tokens each produces alone (separate KV caches and
     random streams), and each result times its own steps only: upper bound's decode time excludes
     the 5 ms waits of standard's all-reduces that ran between its steps (24 of them in all)."""
