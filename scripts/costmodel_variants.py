@@ -1,4 +1,4 @@
-"""The cost-model variants tried and dropped (README, "The cost model"). Each is fitted like the stored
+"""The cost-model variants tried and dropped (docs/costmodel.md). Each is fitted like the stored
 model, on the paper's Llama-3-70B table at batch 1 and 64, then judged on the held-out batch sizes 4 and
 16 and on the never-fitted 8B and 405B speedups; one line per variant. About 40 s on 2 cores.
 

@@ -29,7 +29,7 @@ def test_held_out_speedup_error():
     assert {p["batch_size"] for p in report["points"]} == set(HELD_OUT_BATCHES)
     assert len(report["points"]) == 10
     # The issue asks for 80 %; this model reaches 70 % (7/10). The three misses are batch 4 with P2P
-    # off, where the paper hides as much communication as at batch 1 (see the README).
+    # off, where the paper hides as much communication as at batch 1 (docs/costmodel.md).
     assert report["fraction_within"] >= 0.7
     stored = json.loads(resources.files("ladder").joinpath("data/costmodel-fit.json").read_text())
     assert stored["validation"]["fraction_within"] == report["fraction_within"]
