@@ -473,8 +473,9 @@ def test_step_interleaved_sweep_records_each_layouts_own_steps(tmp_path):
 def one_intra_op_thread():
     """Matrix products on the calling thread only. After a long idle wait, torch's intra-op worker
     threads are asleep, and on a loaded machine waking them takes a scheduler slice: beside two busy
-    loops, upper bound's 3 steps of the tiny model took up to 109 ms with 2 threads after 25 ms waits,
-    and 9 ms with 1 (and 1 run in 25 of the test below failed with 2 threads and 5 ms waits)."""
+    loops, upper bound's 3 steps of the tiny model took up to 93 ms with 2 threads after 25 ms waits,
+    and 8 ms with 1 (scripts/intra_op_wakeup.py; 1 run in 25 of the test below failed with 2 threads
+    and 5 ms waits)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
