@@ -9,11 +9,15 @@
 #     on an H100, more than a time-limited lease can give eight configurations; STEP_70B=--compile for it);
 #  3. a profiler trace of a short run of each 70B configuration, and the share of link time during
 #     which compute kernels ran, read back from it (ladder: high; standard: near zero);
-#  4. a table comparing the measured speedups with the paper's (results/gpu/comparison.md).
+#  4. the 70B shard compiled, at COMPILED_BATCHES (default 1,64): each layer compiled once for all 80
+#     (--compile-layers: seconds, where compiling the whole step took minutes), the step one CUDA graph
+#     (STEP_COMPILED_70B; a CPU dry run gives it --compile-layers alone), its own results file;
+#  5. a table comparing the measured speedups with the paper's (results/gpu/comparison.md, and
+#     comparison-compiled.md for step 4).
 # Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP,
 # LAYOUTS_70B to trim the sweep, STEP_70B, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the
-# models, shapes and decode step (a dry run on CPU: DEVICE=cpu COMPILE= STEP_70B= PRESET_SMALL=tiny
-# PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
+# models, shapes and decode step (a dry run on CPU: DEVICE=cpu COMPILE= STEP_70B= STEP_COMPILED_70B=--compile-layers
+# PRESET_SMALL=tiny PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
 # Every sweep runs with --resume, batch size by batch size (batch 1 of both links first): on a machine
 # lent in time-limited calls, run it again and it goes on where the previous call was stopped, e.g.
 #   RESULTS=.gpu-results bash scripts/gpu_checks.sh; cp -r .gpu-results "$OUT"/   (.gpu-results is ignored by git)
@@ -32,6 +36,8 @@ big=${PRESET_70B:-llama-3-70b}
 tp=${TP:-8}
 layouts_70b=${LAYOUTS_70B:-standard,parallel,ladder,upper-bound}
 step_70b=${STEP_70B---cuda-graph}
+compiled_batches=${COMPILED_BATCHES-1,64}
+step_compiled_70b=${STEP_COMPILED_70B---compile-layers --cuda-graph}
 prompt=${PROMPT_LEN:-1024}
 gen=${GEN_LEN:-512}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -50,7 +56,16 @@ for batch in ${batches//,/ }; do
         --runs "$runs" --device "$device" $step_70b --profile "$out/traces" --profile-tokens 4 --interleave \
         --resume --no-progress --out "$out/${big}-tp${tp}-shard.jsonl" || failed=1
 done
+for batch in ${compiled_batches//,/ }; do
+    ladder bench --preset "$big" --layouts "$layouts_70b" --tp "$tp" --batch-sizes "$batch" \
+        --interconnect nvlink-h100,pcie-no-p2p --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" \
+        --runs "$runs" --device "$device" $step_compiled_70b --interleave --resume --no-progress \
+        --out "$out/${big}-tp${tp}-shard-compiled.jsonl" || failed=1
+done
 ladder bench plot "$out/${big}-tp${tp}-shard.jsonl"
 "$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard.jsonl" --compiled "$out/compiled-tp1.jsonl" \
     | tee "$out/comparison.md"
+if [[ -n "$compiled_batches" ]]; then
+    "$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard-compiled.jsonl" | tee "$out/comparison-compiled.md"
+fi
 exit $failed

@@ -12,7 +12,11 @@ from ladder.costmodel import P2P_LINKS, paper_throughputs
 
 P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}
 STEP_DESCRIPTIONS = {"compiled": "torch.compile with CUDA graphs",
-                     "CUDA graph": "the eager step captured as one CUDA graph (--cuda-graph)", "eager": "eager"}
+                     "CUDA graph": "the eager step captured as one CUDA graph (--cuda-graph)",
+                     "compiled layers + CUDA graph": "each layer compiled once for all layers, the step captured "
+                                                     "as one CUDA graph (--compile-layers --cuda-graph)",
+                     "compiled layers": "each layer compiled once for all layers, the step eager (--compile-layers)",
+                     "eager": "eager"}
 
 
 def paper_speedups() -> dict[tuple[str, str, int, int], float]:

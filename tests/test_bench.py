@@ -175,15 +175,20 @@ def test_decode_steps_run_differently_are_never_pooled_or_drawn_together():
 
     eager = [record("standard", 10.0), record("ladder", 12.0)]
     graphed = [record("standard", 20.0, cuda_graph=True), record("ladder", 30.0, cuda_graph=True)]
-    rows = summarise(eager + graphed)
+    compiled = [record("standard", 40.0, cuda_graph=True, compile_layers=True),
+                record("ladder", 52.0, cuda_graph=True, compile_layers=True)]
+    rows = summarise(eager + graphed + compiled)
     # (pooled together, they gave one ladder row of 1.4: a median of both steps' runs)
-    assert sorted(r["speedup"] for r in rows if r["layout"] == "ladder") == [1.2, 1.5]
+    assert sorted(r["speedup"] for r in rows if r["layout"] == "ladder") == [1.2, 1.3, 1.5]
     assert {(r["decode_step"], r["layout"]): r["speedup"] for r in rows} == {
         ("eager", "standard"): 1.0, ("eager", "ladder"): 1.2, ("CUDA graph", "standard"): 1.0,
-        ("CUDA graph", "ladder"): 1.5}
+        ("CUDA graph", "ladder"): 1.5, ("compiled layers + CUDA graph", "standard"): 1.0,
+        ("compiled layers + CUDA graph", "ladder"): 1.3}
     table = format_summary(rows)
     assert "nvlink-h100 (emulated), CUDA graph" in table and "nvlink-h100 (emulated) " in table
-    assert sorted(panel[-1] for panel in _pooled_points(eager + graphed)) == ["CUDA graph", "eager"]
+    assert "nvlink-h100 (emulated), compiled layers + CUDA graph" in table
+    assert sorted(panel[-1] for panel in _pooled_points(eager + graphed + compiled)) == [
+        "CUDA graph", "compiled layers + CUDA graph", "eager"]
 
 
 def test_a_link_dilated_to_a_share_is_one_link_across_batch_sizes_and_days():
@@ -383,6 +388,7 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
      "--comm-share and --link-scale both set how far the link is dilated: give one"),
     (["--device", "cpu", "--cuda-graph"], "--cuda-graph needs a CUDA device, and --device cpu is cpu"),
     (["--cuda-graph", "--compile"], "--cuda-graph and --compile both make the decode step a CUDA graph: give one"),
+    (["--compile-layers", "--compile"], "--compile compiles the whole decode step and --compile-layers each layer"),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path):
     out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",

@@ -105,12 +105,32 @@ def test_compiled_decode_equals_eager():
     assert compiled == eager
 
 
+@pytest.mark.parametrize("layout", ["ladder", "parallel"])
+def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(layout):
+    """Regional compilation: one graph per branch, however many layers (6 here), and the prefill eager
+    (error_on_recompile: a layer that needed its own graph, or a prefill compiled then a decode step
+    compiled for the same code, raises)."""
+    from torch._dynamo.utils import counters
+
+    model = make_model(tiny(layout=layout, n_layers=6, ladder_layers=4 if layout == "ladder" else None))
+    eager = Engine(model).generate(PROMPT, 6).tokens
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = Engine(model, compile_layers=True)
+        assert compiled.generate(PROMPT, 6).tokens == eager
+        assert compiled.generate(PROMPT, 6).tokens == eager
+    assert counters["stats"]["unique_graphs"] == (1 if layout == "parallel" else 2)  # attention, MLP
+
+
 def test_cuda_graph_decode_needs_cuda_and_excludes_compile():
     model = make_model(tiny(layout="ladder"))
     with pytest.raises(LadderError, match="CUDA graphs need a CUDA device; the model is on cpu"):
         Engine(model, cuda_graph=True)
     with pytest.raises(LadderError, match="pick one"):
         Engine(model, compile=True, cuda_graph=True)
+    with pytest.raises(LadderError, match="compile compiles the whole decode step and compile_layers each layer"):
+        Engine(model, compile=True, compile_layers=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -121,3 +141,6 @@ def test_cuda_graph_decode_equals_eager():
     graphed = Engine(model, cuda_graph=True)
     assert graphed.generate(prompt, 6).tokens == eager
     assert graphed.generate(prompt, 6).tokens == eager  # replayed, not captured again
+    compiled_layers = Engine(model, cuda_graph=True, compile_layers=True)  # (the last: it compiles `model`)
+    assert compiled_layers.generate(prompt, 6).tokens == eager
+    assert compiled_layers.generate(prompt, 6).tokens == eager

@@ -69,7 +69,8 @@ class BenchPoint:
     device: str = "auto"
     dtype: str | None = None
     compile: bool = False
-    cuda_graph: bool = False  # the eager decode step captured as a CUDA graph (no compiler)
+    cuda_graph: bool = False  # the decode step captured as a CUDA graph (eager, or with compile_layers)
+    compile_layers: bool = False  # each layer's branches compiled, one graph for all layers
     seed: int = 0
     top_k: int = 200
     temperature: float = 0.8
@@ -206,7 +207,8 @@ def bench_on_rank(group: Sequence[BenchPoint], interleave: str = "runs") -> list
         dtype = dtype_name(first, device)
         configs = [p.config() for p in group]
         models = _build_models(first, configs, comms, device, getattr(torch, dtype))
-        engines = [Engine(model, compile=first.compile, cuda_graph=first.cuda_graph) for model in models]
+        engines = [Engine(model, compile=first.compile, cuda_graph=first.cuda_graph,
+                          compile_layers=first.compile_layers) for model in models]
         gen = torch.Generator().manual_seed(first.seed)
         prompt = torch.randint(0, configs[0].vocab_size, (1, first.prompt_len), generator=gen)
         prompt = prompt.repeat(first.batch_size, 1)  # one synthetic prompt repeated over the batch
@@ -404,7 +406,7 @@ def check_comm_share(points: Sequence[BenchPoint], share: float) -> None:
         raise LadderError("--comm-share calibrates on one process: under torchrun give every rank the same "
                           "--link-scale")
     if any(pick_device(p.device).type != "cpu" for p in points if p.emulated):
-        raise LadderError("--comm-share calibrates eager CPU steps; on a GPU use the link's own times "
+        raise LadderError("--comm-share calibrates CPU steps; on a GPU use the link's own times "
                           "(--link-scale 1) or a --link-scale of your choice")
 
 
@@ -415,22 +417,25 @@ def _without_scale(description: dict[str, Any]) -> str:
 
 
 def _standard_step_times(point: BenchPoint, steps: int) -> tuple[float, float]:
-    """Median compute time of standard's decode step, and its all-reduces' undilated link time."""
+    """Median compute time of standard's decode step (eager or compiled, as the point will run it), and
+    its all-reduces' undilated link time."""
     from ladder.distributed import pick_device
+    from ladder.engine import Engine
 
     device = pick_device(point.device)
     comm = EmulatedCommunicator(point.link, point.tp, device, _NO_DURATION)
     point = dataclasses.replace(point, layout="standard", ladder_layers=None)
     [model] = _build_models(point, [point.config()], [comm], device, getattr(torch, dtype_name(point, device)))
-    model.eval().setup_caches(point.batch_size, point.prompt_len + point.gen_len)
+    engine = Engine(model, compile=point.compile, compile_layers=point.compile_layers)
+    model.setup_caches(point.batch_size, point.prompt_len + point.gen_len)
     token = torch.zeros(point.batch_size, 1, dtype=torch.long, device=device)
     times = []
     with torch.inference_mode():
-        for i in range(steps + 3):  # 3 warm-up steps
+        for i in range(steps + 3):  # 3 warm-up steps (compiling, if the point compiles)
             if i == 3:
                 comm.reset_counters()
             start = time.perf_counter()
-            model(token, torch.tensor([point.prompt_len + i % point.gen_len], device=device))
+            engine.decode(token, torch.tensor([point.prompt_len + i % point.gen_len], device=device))
             times.append(time.perf_counter() - start)
     return statistics.median(times[3:]), comm.modelled_s / _NO_DURATION / steps
 
@@ -575,6 +580,9 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
             raise LadderError(f"--link-scale must be a positive number, got {point.link_scale:g}")
         if point.cuda_graph and point.compile:
             raise LadderError("--cuda-graph and --compile both make the decode step a CUDA graph: give one")
+        if point.compile_layers and point.compile:
+            raise LadderError("--compile compiles the whole decode step and --compile-layers each layer: give one "
+                              "(--compile-layers --cuda-graph: compiled layers in one CUDA graph)")
         if point.cuda_graph and device_types[point.device] != "cuda":
             raise LadderError(f"--cuda-graph needs a CUDA device, and --device {point.device} is "
                               f"{device_types[point.device]}")
@@ -740,9 +748,14 @@ def read_results(path: Path) -> list[dict[str, Any]]:
 
 
 def decode_step(r: dict[str, Any]) -> str:
-    """How a record's decode step ran: "compiled" (torch.compile), "CUDA graph" (--cuda-graph) or
-    "eager". Steps run differently are not comparable: they are never pooled or drawn together."""
-    return "compiled" if r.get("compile") else "CUDA graph" if r.get("cuda_graph") else "eager"
+    """How a record's decode step ran: "compiled" (torch.compile of the step), "compiled layers"
+    (--compile-layers), "CUDA graph" (--cuda-graph), "compiled layers + CUDA graph" or "eager". Steps
+    run differently are not comparable: they are never pooled or drawn together."""
+    if r.get("compile"):
+        return "compiled"
+    parts = [name for name, used in (("compiled layers", r.get("compile_layers")), ("CUDA graph", r.get("cuda_graph")))
+             if used]
+    return " + ".join(parts) or "eager"
 
 
 def group_key(r: dict[str, Any]) -> tuple:

@@ -72,6 +72,7 @@ class GenerateRequest:
     top_p: float | None = None
     stop_ids: tuple[int, ...] = ()
     compile: bool = False
+    compile_layers: bool = False
 
 
 def parse_ids(text: str, flag: str) -> list[int]:
@@ -118,7 +119,7 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
         info(f"ladder: {describe(loaded, req.model)}")
         if loaded.random_weights:
             info("ladder: weights are RANDOM: the generated ids are not meaningful text")
-        engine = Engine(loaded.model, compile=req.compile)
+        engine = Engine(loaded.model, compile=req.compile, compile_layers=req.compile_layers)
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.model.seed)
         text_mode = req.prompt_ids is None
         stop_ids = tuple(req.stop_ids) + (tuple(tokenizer.stop_ids) if text_mode and tokenizer else ())
@@ -158,6 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise LadderError("give exactly one of --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3")
     if args.max_new_tokens < 1:
         raise LadderError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.compile and args.compile_layers:
+        raise LadderError("give one of --compile (the whole decode step) and --compile-layers (each layer)")
     prompts = [parse_ids(p, "--prompt-ids") for p in args.prompt_ids] if args.prompt_ids else None
     if prompts:
         if len({len(p) for p in prompts}) > 1:
@@ -173,7 +176,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stop_ids = tuple(parse_ids(args.stop_ids, "--stop-ids")) if args.stop_ids else ()
     req = GenerateRequest(model=spec, max_new_tokens=args.max_new_tokens, prompt_ids=prompts, prompt=args.prompt,
                           chat=args.chat, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          stop_ids=stop_ids, compile=args.compile)
+                          stop_ids=stop_ids, compile=args.compile, compile_layers=args.compile_layers)
     launch(generate_on_rank, spec.tp, req)
     return 0
 
@@ -291,7 +294,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tps=parse_list(args.tp, int, "--tp"),
         batch_sizes=parse_list(args.batch_sizes, int, "--batch-sizes"),
         links=links, prompt_len=args.prompt_len, gen_len=args.gen_len, warmup=args.warmup, runs=args.runs,
-        device=args.device, dtype=args.dtype, compile=args.compile, cuda_graph=args.cuda_graph, seed=args.seed,
+        device=args.device, dtype=args.dtype, compile=args.compile, cuda_graph=args.cuda_graph,
+        compile_layers=args.compile_layers, seed=args.seed,
         link_scale=args.link_scale, ladder_layers=args.ladder_layers, checkpoint=args.model,
         profile_dir=args.profile, profile_tokens=args.profile_tokens)
     if args.comm_share is not None:
@@ -465,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probability reaches p")
     g.add_argument("--stop-ids", help="comma-separated ids that end a sequence")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    g.add_argument("--compile-layers", action="store_true",
+                   help="torch.compile each layer's attention and MLP, one graph for all layers (seconds for any depth)")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="perplexity of a model on a text file")
@@ -519,10 +525,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiply emulated link times (keep a GPU's compute:communication ratio on a slower device)")
     b.add_argument("--device", default="auto", help="cpu, cuda or auto")
     b.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    b.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on GPU)")
+    b.add_argument("--compile", action="store_true",
+                   help="compile the whole decode step (CUDA graphs on GPU; minutes for a large model)")
+    b.add_argument("--compile-layers", action="store_true",
+                   help="compile each layer's attention and MLP once for all layers, the step between them "
+                        "eager (seconds for any depth); with --cuda-graph on GPU the step is one CUDA graph")
     b.add_argument("--cuda-graph", action="store_true",
-                   help="capture the eager decode step as a CUDA graph, without compiling it (GPU; ready in one "
-                        "step where --compile takes minutes for a large model)")
+                   help="capture the decode step (eager, or with --compile-layers) as one CUDA graph (GPU; "
+                        "ready in one step)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     b.add_argument("--out", default=BENCH_DEFAULTS["out"], help="JSON-lines results file (appended)")
     b.add_argument("--resume", action="store_true",

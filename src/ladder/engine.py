@@ -7,6 +7,7 @@ on every rank after the final all-reduce, so every rank samples the same token w
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,16 +74,27 @@ def synchronize(device: torch.device) -> None:
 
 
 class Engine:
-    """Runs a `Transformer` for generation. `compile=True` compiles the decode step (with CUDA graphs
-    on CUDA: mode="reduce-overhead"); `cuda_graph=True` captures the eager decode step as one CUDA graph
-    without compiling it (`CudaGraphStep`); eager is the default and the only choice on CPU."""
+    """Runs a `Transformer` for generation. The decode step runs eager by default, or:
+    - `compile=True`: the whole step compiled into one graph (with CUDA graphs on CUDA:
+      mode="reduce-overhead"); compiling takes longer the more layers the model has;
+    - `compile_layers=True`: each layer's branches compiled, one graph shared by every layer
+      (`Transformer.compile_layers`, in place), the step between them eager; the prefill stays eager;
+    - `cuda_graph=True`: the step, eager or with compiled layers, captured as one CUDA graph
+      (`CudaGraphStep`, CUDA only).
+    """
 
-    def __init__(self, model: Transformer, compile: bool = False, cuda_graph: bool = False) -> None:
+    def __init__(self, model: Transformer, compile: bool = False, cuda_graph: bool = False,
+                 compile_layers: bool = False) -> None:
         self.model = model.eval()
         self.device = model.output.weight.device
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._decode_step
         if compile and cuda_graph:
             raise LadderError("compile and cuda_graph both make the decode step a CUDA graph: pick one")
+        if compile and compile_layers:
+            raise LadderError("compile compiles the whole decode step and compile_layers each layer: pick one")
+        self.layers_compiled = compile_layers
+        if compile_layers:
+            model.compile_layers()
         if cuda_graph:
             if self.device.type != "cuda":
                 raise LadderError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
@@ -96,6 +108,11 @@ class Engine:
 
     def _decode_step(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         return self.model(token, input_pos)[:, -1]  # (B, V)
+
+    def decode(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """One decode step's logits (B, V) for `token` (B, 1) at cache position `input_pos` (1,), run as
+        this engine runs it (eager, compiled or graphed; with CUDA graphs, overwritten by the next step)."""
+        return self._decode(token, input_pos)
 
     @torch.inference_mode()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int,
@@ -134,9 +151,10 @@ class Engine:
 
 
 class CudaGraphStep:
-    """The eager decode step captured once as a CUDA graph, then replayed: one launch a step instead of
-    one per kernel, and no compiler. A 70B shard's 80 layers are ready after one step, where
-    torch.compile takes minutes per layout. Captured again when the batch or the KV cache changes."""
+    """The decode step (eager, or with compiled layers) captured once as a CUDA graph, then replayed: one
+    launch a step instead of one per kernel. Eager, a 70B shard's 80 layers are ready after one step,
+    where compiling the whole step takes minutes per layout. Captured again when the batch or the KV
+    cache changes."""
 
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: Transformer) -> None:
         self.step, self.model = step, model
@@ -202,13 +220,14 @@ class Generation:
         synchronize(device)
         start = time.perf_counter()
         if not self.out:
-            logits = model(self.prompt, torch.arange(T, device=device), last_only=True)[:, -1]  # (B, V)
+            with _eager_if(self.engine.layers_compiled):  # (one compilation per prompt length otherwise)
+                logits = model(self.prompt, torch.arange(T, device=device), last_only=True)[:, -1]  # (B, V)
             token = sample(logits, self.sampling, self.generator)  # (B,)
             synchronize(device)
             self.prefill_s = time.perf_counter() - start
         else:
             input_pos = torch.tensor([T + len(self.out) - 1], device=device)
-            logits = self.engine._decode(self.out[-1].view(B, 1).clone(), input_pos)
+            logits = self.engine.decode(self.out[-1].view(B, 1).clone(), input_pos)
             token = sample(logits, self.sampling, self.generator)
             token = torch.where(self.done, self.out[-1], token)  # finished rows repeat their stop token
             synchronize(device)
@@ -224,6 +243,11 @@ class Generation:
     def result(self) -> GenerationResult:
         return GenerationResult(_trim(torch.stack(self.out, dim=1), self.stop_ids), self.prefill_s,
                                 self.decode_s, self.latencies)
+
+
+def _eager_if(condition: bool) -> contextlib.AbstractContextManager:
+    """Compiled code runs eagerly inside, when `condition` holds."""
+    return torch.compiler.set_stance("force_eager") if condition else contextlib.nullcontext()
 
 
 def _trim(tokens: torch.Tensor, stop_ids: Sequence[int]) -> list[list[int]]:
