@@ -26,7 +26,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 out=${RESULTS:-results/gpu}
-batches=${BATCHES:-1,4,16,64}
+batches=${BATCHES-1,4,16,64}  # (BATCHES= or COMPILED_BATCHES= empty: that step is skipped)
 runs=${RUNS:-3}
 warmup=${WARMUP:-1}
 device=${DEVICE:-cuda}
@@ -62,10 +62,12 @@ for batch in ${compiled_batches//,/ }; do
         --runs "$runs" --device "$device" $step_compiled_70b --interleave --resume --no-progress \
         --out "$out/${big}-tp${tp}-shard-compiled.jsonl" || failed=1
 done
-ladder bench plot "$out/${big}-tp${tp}-shard.jsonl"
-"$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard.jsonl" --compiled "$out/compiled-tp1.jsonl" \
-    | tee "$out/comparison.md"
-if [[ -n "$compiled_batches" ]]; then
+if [[ -f "$out/${big}-tp${tp}-shard.jsonl" ]]; then
+    ladder bench plot "$out/${big}-tp${tp}-shard.jsonl"
+    "$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard.jsonl" --compiled "$out/compiled-tp1.jsonl" \
+        | tee "$out/comparison.md"
+fi
+if [[ -f "$out/${big}-tp${tp}-shard-compiled.jsonl" ]]; then
     "$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard-compiled.jsonl" | tee "$out/comparison-compiled.md"
 fi
 exit $failed
