@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of `ladder bench` (for a machine with one NVIDIA GPU and torch with CUDA installed):
 #  1. the compiled path (decode under torch.compile mode="reduce-overhead", i.e. CUDA graphs) for every
-#     layout at TP 1;
+#     layout at TP 1, then the same with each layer compiled and the step one CUDA graph
+#     (STEP_SMALL_LAYERS, default --compile-layers --cuda-graph): how close step 4's decode step comes
+#     to the whole step compiled;
 #  2. one rank's exact shard of Llama-3-70B at TP 8 on the emulated nvlink-h100 and pcie-no-p2p links
 #     (the all-reduces are sleep kernels on a side stream), the paper's protocol: batch 1/4/16/64,
 #     prompt 1024, 512 new tokens, bf16, each decode step one CUDA graph (--cuda-graph: the eager step
@@ -17,7 +19,7 @@
 # Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP,
 # LAYOUTS_70B to trim the sweep, STEP_70B, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the
 # models, shapes and decode step (a dry run on CPU: DEVICE=cpu COMPILE= STEP_70B= STEP_COMPILED_70B=--compile-layers
-# PRESET_SMALL=tiny PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
+# STEP_SMALL_LAYERS=--compile-layers PRESET_SMALL=tiny PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
 # Every sweep runs with --resume, batch size by batch size (batch 1 of both links first): on a machine
 # lent in time-limited calls, run it again and it goes on where the previous call was stopped, e.g.
 #   RESULTS=.gpu-results bash scripts/gpu_checks.sh; cp -r .gpu-results "$OUT"/   (.gpu-results is ignored by git)
@@ -37,6 +39,7 @@ tp=${TP:-8}
 layouts_70b=${LAYOUTS_70B:-standard,parallel,ladder,upper-bound}
 step_70b=${STEP_70B---cuda-graph}
 compiled_batches=${COMPILED_BATCHES-1,64}
+step_small_layers=${STEP_SMALL_LAYERS---compile-layers --cuda-graph}
 step_compiled_70b=${STEP_COMPILED_70B---compile-layers --cuda-graph}
 prompt=${PROMPT_LEN:-1024}
 gen=${GEN_LEN:-512}
@@ -49,6 +52,11 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee 
 ladder bench --preset "$small" --layouts standard,parallel,ladder,desync,upper-bound --tp 1 --batch-sizes 1 \
     --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" --runs "$runs" --device "$device" $compile \
     --interleave --resume --no-progress --out "$out/compiled-tp1.jsonl"
+if [[ -n "$step_small_layers" ]]; then
+    ladder bench --preset "$small" --layouts standard,parallel,ladder,desync,upper-bound --tp 1 --batch-sizes 1 \
+        --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" --runs "$runs" --device "$device" \
+        $step_small_layers --interleave --resume --no-progress --out "$out/compiled-tp1.jsonl"
+fi
 failed=0  # a batch size that measures nothing (exit 1) is recorded as failed; the others still run
 for batch in ${batches//,/ }; do
     ladder bench --preset "$big" --layouts "$layouts_70b" --tp "$tp" --batch-sizes "$batch" \
