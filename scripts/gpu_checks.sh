@@ -49,14 +49,11 @@ ladder() { "$PY" -m ladder.cli "$@"; }
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$out/environment.txt"
 
-ladder bench --preset "$small" --layouts standard,parallel,ladder,desync,upper-bound --tp 1 --batch-sizes 1 \
-    --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" --runs "$runs" --device "$device" $compile \
-    --interleave --resume --no-progress --out "$out/compiled-tp1.jsonl"
-if [[ -n "$step_small_layers" ]]; then
+for step in "$compile" ${step_small_layers:+"$step_small_layers"}; do  # (an empty COMPILE= runs eager)
     ladder bench --preset "$small" --layouts standard,parallel,ladder,desync,upper-bound --tp 1 --batch-sizes 1 \
-        --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" --runs "$runs" --device "$device" \
-        $step_small_layers --interleave --resume --no-progress --out "$out/compiled-tp1.jsonl"
-fi
+        --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" --runs "$runs" --device "$device" $step \
+        --interleave --resume --no-progress --out "$out/compiled-tp1.jsonl"
+done
 failed=0  # a batch size that measures nothing (exit 1) is recorded as failed; the others still run
 for batch in ${batches//,/ }; do
     ladder bench --preset "$big" --layouts "$layouts_70b" --tp "$tp" --batch-sizes "$batch" \
