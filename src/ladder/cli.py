@@ -35,6 +35,13 @@ def info(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write. Under torchrun every rank may say the same line at once into
+    one pipe; print's two writes (the text, then the newline) interleave them into a garbled line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 # ---- model selection shared by every subcommand ---------------------------------------------------
 
 def add_model_options(p: argparse.ArgumentParser, tp_flag: bool = True) -> None:
@@ -622,10 +629,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except LadderError as exc:
-        print(f"ladder: error: {exc}", file=sys.stderr)
+        say(f"ladder: error: {exc}")
         return 2
     except (KeyboardInterrupt, Stopped) as exc:
-        print(f"ladder: {stop_message(exc)}", file=sys.stderr)
+        say(f"ladder: {stop_message(exc)}")
         return exit_status(exc)
     except RuntimeError as exc:
         from ladder.distributed import communication_failure
@@ -633,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         said = communication_failure(exc)
         if said is None:
             raise
-        print(f"ladder: error: {said}", file=sys.stderr)
+        say(f"ladder: error: {said}")
         return 1
     except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
