@@ -188,20 +188,12 @@ def bench_on_rank(group: Sequence[BenchPoint], interleave: str = "runs") -> list
     ladder, upper-bound, ladder, upper-bound, standard, ...) so that the machine's drift hits every
     layout alike, or with `interleave="steps"` their steps do (`generate_in_turns`); warm-up runs of
     every layout come first."""
-    from ladder.distributed import init_distributed, pick_device, shutdown_distributed
+    from ladder.distributed import shutdown_distributed
     from ladder.launch import under_torchrun
-    from ladder.engine import Engine, SamplingParams, synchronize
+    from ladder.engine import Engine, SamplingParams
 
     first = group[0]
-    if first.emulated:
-        device = pick_device(first.device)
-        comms: list[Any] = [EmulatedCommunicator(p.link, p.tp, device, p.link_scale) for p in group]
-        rank, hosts = 0, None
-    else:
-        ctx = init_distributed(first.device)
-        device, rank = ctx.device, ctx.rank
-        comms = [ctx.communicator()] * len(group)
-        hosts = host_of_each_rank_measuring(group)
+    device, rank, comms, hosts = _communicators(group)
     try:
         check_fits(group, device)
         dtype = dtype_name(first, device)
@@ -213,52 +205,83 @@ def bench_on_rank(group: Sequence[BenchPoint], interleave: str = "runs") -> list
         prompt = torch.randint(0, configs[0].vocab_size, (1, first.prompt_len), generator=gen)
         prompt = prompt.repeat(first.batch_size, 1)  # one synthetic prompt repeated over the batch
         sampling = SamplingParams(temperature=first.temperature, top_k=first.top_k, seed=first.seed)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for engine in engines:
-            for _ in range(first.warmup):
-                engine.generate(prompt, first.gen_len, sampling)
-        for comm in comms:
-            if isinstance(comm, EmulatedCommunicator):
-                comm.reset_counters()  # count the measured runs only
-        runs: list[list[Any]] = [[] for _ in group]
-        turns: list[list[int]] = [[] for _ in group]  # when each run happened, in the group's order
-        for i in range(first.runs):
-            if interleave == "steps" and len(group) > 1:
-                for j, run in enumerate(generate_in_turns(engines, prompt, first.gen_len, sampling, shift=i)):
-                    runs[j].append(run)
-            else:
-                for turn, j in enumerate(_rotated(range(len(group)), i), start=i * len(group)):
-                    synchronize(device)
-                    turns[j].append(turn)
-                    runs[j].append(engines[j].generate(prompt, first.gen_len, sampling))
+        runs, turns = _measure(group, engines, comms, prompt, sampling, device, interleave)
         traces = [_profile(p, e, prompt, sampling, c, rank) if p.profile_dir else None
                   for p, e, c in zip(group, engines, comms)]
         if rank != 0:
             return None
-        results = []
-        # What keeps this group's records together when results are pooled (each record's env.time can
-        # fall in the next second): where it ran and when it finished measuring.
-        group_id = f"{socket.gethostname()}:{os.getpid()}:{time.time():.6f}"
-        for j, point in enumerate(group):
-            result = _result(point, configs[j], models[j], device, dtype, runs[j], comms[j])
-            if len(group) > 1:
-                result["interleaved"] = {"layouts": [layout_label(p.describe()) for p in group], "by": interleave,
-                                         "group": group_id}
-                if interleave == "runs":
-                    result["interleaved"]["turns"] = turns[j]
-                result["peak_memory_kind"] += " (all layouts of the group)"
-            if traces[j] is not None:
-                result["trace"] = traces[j]
-            if hosts is not None:  # which machines the ranks ran on: the link between them was measured
-                result["env"] |= {"rank_hosts": hosts, "nodes": len(set(hosts))}
-            results.append(result)
+        results = [_result(point, configs[j], models[j], device, dtype, runs[j], comms[j])
+                   for j, point in enumerate(group)]
+        _annotate_group(results, group, interleave, turns, traces, hosts)
         return results
     finally:
         # Under torchrun the group lives for the whole sweep (`run_sweep` ends it): made anew for each
         # configuration, the second one's set-up hung about one time in two on the first one's leftovers.
         if not first.emulated and not under_torchrun():
             shutdown_distributed()
+
+
+def _communicators(group: Sequence[BenchPoint]) -> tuple[torch.device, int, list[Any], list[str] | None]:
+    """(device, rank, one communicator per point, the host of each rank or None when emulated).
+
+    An emulated link needs no process group: this process computes rank 0's shard and waits out the
+    modelled all-reduces. A real one joins (or, under torchrun, reuses) the group of TP ranks."""
+    from ladder.distributed import init_distributed, pick_device
+
+    first = group[0]
+    if first.emulated:
+        device = pick_device(first.device)
+        return device, 0, [EmulatedCommunicator(p.link, p.tp, device, p.link_scale) for p in group], None
+    ctx = init_distributed(first.device)
+    return ctx.device, ctx.rank, [ctx.communicator()] * len(group), host_of_each_rank_measuring(group)
+
+
+def _measure(group: Sequence[BenchPoint], engines: Sequence[Engine], comms: Sequence[Any], prompt: torch.Tensor,
+             sampling: SamplingParams, device: torch.device, interleave: str) -> tuple[list[list[Any]], list[list[int]]]:
+    """Warm every engine up, then run the measured runs; returns each point's runs and, when runs take
+    turns, the turn at which each of its runs happened (in the group's order)."""
+    from ladder.engine import synchronize
+
+    first = group[0]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for engine in engines:
+        for _ in range(first.warmup):
+            engine.generate(prompt, first.gen_len, sampling)
+    for comm in comms:
+        if isinstance(comm, EmulatedCommunicator):
+            comm.reset_counters()  # count the measured runs only
+    runs: list[list[Any]] = [[] for _ in group]
+    turns: list[list[int]] = [[] for _ in group]
+    for i in range(first.runs):
+        if interleave == "steps" and len(group) > 1:
+            for j, run in enumerate(generate_in_turns(engines, prompt, first.gen_len, sampling, shift=i)):
+                runs[j].append(run)
+        else:
+            for turn, j in enumerate(_rotated(range(len(group)), i), start=i * len(group)):
+                synchronize(device)
+                turns[j].append(turn)
+                runs[j].append(engines[j].generate(prompt, first.gen_len, sampling))
+    return runs, turns
+
+
+def _annotate_group(results: list[dict[str, Any]], group: Sequence[BenchPoint], interleave: str,
+                    turns: list[list[int]], traces: list[Any], hosts: list[str] | None) -> None:
+    """Add to each record what it shares with its group: the interleaving, its trace, the ranks' hosts."""
+    # What keeps this group's records together when results are pooled (each record's env.time can
+    # fall in the next second): where it ran and when it finished measuring.
+    group_id = f"{socket.gethostname()}:{os.getpid()}:{time.time():.6f}"
+    for j, result in enumerate(results):
+        if len(group) > 1:
+            result["interleaved"] = {"layouts": [layout_label(p.describe()) for p in group], "by": interleave,
+                                     "group": group_id}
+            if interleave == "runs":
+                result["interleaved"]["turns"] = turns[j]
+            result["peak_memory_kind"] += " (all layouts of the group)"
+        if traces[j] is not None:
+            result["trace"] = traces[j]
+        if hosts is not None:  # which machines the ranks ran on: the link between them was measured
+            result["env"] |= {"rank_hosts": hosts, "nodes": len(set(hosts))}
 
 
 class RanksDisagree(LadderError):

@@ -11,6 +11,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -283,8 +284,7 @@ def parse_list(text: str, kind: type = str, flag: str = "") -> list:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ladder.bench import (check_comm_share, dilate_to_share, format_summary, measured_already, point_key,
-                              run_sweep, summarise, sweep_points)
+    from ladder.bench import check_comm_share, dilate_to_share, measured_already, run_sweep, sweep_points
     from ladder.distributed import print_rank0
     from ladder.interconnect import get_link
 
@@ -308,20 +308,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.comm_share is not None:
         check_comm_share(points, args.comm_share)
     out = Path(args.out)
-    # (Under torchrun every rank runs this command: print_rank0, so that rank 0 speaks for all.)
-    weights = "random weights" if args.model is None else f"weights of {args.model}"
-    print_rank0(f"ladder bench: {len(points)} configurations, {weights}, prompt {args.prompt_len}, "
-                f"{args.gen_len} new tokens, {args.warmup} warm-up + {args.runs} measured runs each"
-                + (f", {args.rounds} rounds" if args.rounds > 1 else "")
-                + {"runs": ", layouts interleaved run by run", "steps": ", layouts interleaved step by step"}.get(
-                    args.interleave, "") + f" -> {out}")
-    dilation = (f"dilated to {args.comm_share:g} of standard's step" if args.comm_share is not None
-                else f"times x{args.link_scale:g}")
-    for link in links:
-        if link is not None:
-            print_rank0(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us "
-                        f"per rank beyond 2) + ring bytes / {link.bandwidth_gbps:.1f} GB/s, "
-                        f"{dilation}; {link.source}")
+    announce_sweep(args, len(points), links, out)
     done = measured_already(out) if args.resume else {}
     if args.comm_share is not None:
         points = dilate_to_share(points, args.comm_share, done, print_rank0)
@@ -335,23 +322,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print_rank0(f"ladder: {stop_message(exc)}; the configurations measured before are in {out}, and the "
                     "same command with --resume measures only the others", file=sys.stderr)
         return exit_status(exc)
-    if records:
-        print_rank0(format_summary(summarise(records)))
-        failed = sum(r["status"] != "ok" for r in records)
-        reused = sum(point_key(r, r.get("round", 0)) in done for r in records)
-        measured = len(records) - failed - reused
-        print_rank0(f"{measured} configurations measured, {failed} failed"
-                    + (f", {reused} from earlier runs" if reused else "")
-                    + (f"; results appended to {out}" if measured + failed else f"; nothing new appended to {out}"))
-        for r in records:
-            if r.get("trace"):
-                overlap = (r["trace"]["link"] or {}).get("overlap_fraction")
-                shown = f"compute ran during {overlap:.2f} of the communication" if overlap is not None else \
-                    "no communication visible to the profiler"
-                print_rank0(f"trace {r['trace']['path']}: {shown}")
-        if failed == len(records):
-            return 1  # nothing measured: let scripts notice
-    return 0
+    return report_sweep(records, done, out)
+
+
+def announce_sweep(args: argparse.Namespace, n_points: int, links: list[Any], out: Path) -> None:
+    """Say what the sweep will measure, and how each emulated link is modelled."""
+    from ladder.distributed import print_rank0
+
+    # (Under torchrun every rank runs this command: print_rank0, so that rank 0 speaks for all.)
+    weights = "random weights" if args.model is None else f"weights of {args.model}"
+    print_rank0(f"ladder bench: {n_points} configurations, {weights}, prompt {args.prompt_len}, "
+                f"{args.gen_len} new tokens, {args.warmup} warm-up + {args.runs} measured runs each"
+                + (f", {args.rounds} rounds" if args.rounds > 1 else "")
+                + {"runs": ", layouts interleaved run by run", "steps": ", layouts interleaved step by step"}.get(
+                    args.interleave, "") + f" -> {out}")
+    dilation = (f"dilated to {args.comm_share:g} of standard's step" if args.comm_share is not None
+                else f"times x{args.link_scale:g}")
+    for link in links:
+        if link is not None:
+            print_rank0(f"  emulated link {link.name}: {link.latency_us:.1f} us (+{link.latency_per_rank_us:.1f} us "
+                        f"per rank beyond 2) + ring bytes / {link.bandwidth_gbps:.1f} GB/s, "
+                        f"{dilation}; {link.source}")
+
+
+def report_sweep(records: list[dict[str, Any]], done: dict[str, dict[str, Any]], out: Path) -> int:
+    """Print the summary table, the counts and each trace's overlap; 1 when nothing could be measured."""
+    from ladder.bench import format_summary, point_key, summarise
+    from ladder.distributed import print_rank0
+
+    if not records:
+        return 0
+    print_rank0(format_summary(summarise(records)))
+    failed = sum(r["status"] != "ok" for r in records)
+    reused = sum(point_key(r, r.get("round", 0)) in done for r in records)
+    measured = len(records) - failed - reused
+    print_rank0(f"{measured} configurations measured, {failed} failed"
+                + (f", {reused} from earlier runs" if reused else "")
+                + (f"; results appended to {out}" if measured + failed else f"; nothing new appended to {out}"))
+    for r in records:
+        if r.get("trace"):
+            overlap = (r["trace"]["link"] or {}).get("overlap_fraction")
+            shown = f"compute ran during {overlap:.2f} of the communication" if overlap is not None else \
+                "no communication visible to the profiler"
+            print_rank0(f"trace {r['trace']['path']}: {shown}")
+    return 1 if failed == len(records) else 0  # nothing measured: let scripts notice
 
 
 def cmd_bench_summary(args: argparse.Namespace) -> int:

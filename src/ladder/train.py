@@ -474,31 +474,9 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
         raise LadderError(f"{out_dir} already holds checkpoints: pass --resume to continue, or choose another out_dir")
 
     core = model  # the Transformer: what checkpoints save
-    if model.config.layout == "desync":
-        from ladder.simulate import SimulatedRanks
-        if world > 1 and config.parallel == "fsdp":
-            raise LadderError("desync training simulates its ranks inside each process, which FSDP cannot shard: "
-                              "use parallel=ddp")
-        model = SimulatedRanks(model, model.config.desync_tp)
-    net = model  # what computes the loss, before data parallelism wraps it
-    if world > 1:
-        if config.parallel == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-            # FSDP2 gathers parameters in a module's forward hooks; the layout loop calls the attention
-            # and MLP modules (not Block.forward), so those are the units; norms and embeddings go to the root.
-            for layer in model.layers:
-                fully_shard(layer.attention)
-                fully_shard(layer.feed_forward)
-            fully_shard(model)
-        else:
-            from torch.nn.parallel import DistributedDataParallel
-            model = DistributedDataParallel(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.dim() >= 2]
-    no_decay = [p for p in trainable if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=(config.beta1, config.beta2), foreach=False)
+    net = _simulated_ranks_if_desync(model, config, world)  # what computes the loss, before data parallelism
+    model = _data_parallel(net, config, world)
+    optimizer, trainable = _adamw(model, config)
 
     start_step = _resume_optimizer(latest, optimizer, rank, world) if latest else 0
 
@@ -517,17 +495,8 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
             lr = learning_rate(step, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batch = train_batches.global_batch(step)
-            local = batch[rank::world]  # this rank's shard of the global batch
-            loss_sum = torch.zeros((), device=ctx.device)
-            model.train()
-            for micro in local.split(config.micro_batch_size):
-                micro = micro.to(ctx.device)
-                with _autocast(config, ctx.device):
-                    logits = model(micro[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / accumulation
-                loss.backward()
-                loss_sum += loss.detach()
+            local = train_batches.global_batch(step)[rank::world]  # this rank's shard of the global batch
+            loss_sum = _accumulate_gradients(model, local, config, accumulation, ctx.device)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -562,6 +531,61 @@ def _train(config: TrainConfig, resume: bool, progress: bool, ctx: Any, dist: An
         eval_loss = evaluate_loss(net, heldout, config, ctx)
     final = save_checkpoint(out_dir, config.steps, core, optimizer, config, tokenizer, rank, world)
     return TrainResult(losses, final, eval_loss)
+
+
+def _simulated_ranks_if_desync(model: Any, config: TrainConfig, world: int) -> Any:
+    """Desync trains every simulated TP rank inside each process (`ladder.simulate`); other layouts as is."""
+    if model.config.layout != "desync":
+        return model
+    from ladder.simulate import SimulatedRanks
+    if world > 1 and config.parallel == "fsdp":
+        raise LadderError("desync training simulates its ranks inside each process, which FSDP cannot shard: "
+                          "use parallel=ddp")
+    return SimulatedRanks(model, model.config.desync_tp)
+
+
+def _data_parallel(model: Any, config: TrainConfig, world: int) -> Any:
+    """Wrap the model for data parallelism over `world` ranks (FSDP2 or DDP); alone, unchanged."""
+    if world == 1:
+        return model
+    if config.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        # FSDP2 gathers parameters in a module's forward hooks; the layout loop calls the attention
+        # and MLP modules (not Block.forward), so those are the units; norms and embeddings go to the root.
+        for layer in model.layers:
+            fully_shard(layer.attention)
+            fully_shard(layer.feed_forward)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model)
+
+
+def _adamw(model: Any, config: TrainConfig) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """AdamW over the trainable parameters, without weight decay on gains and biases (1-D)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, betas=(config.beta1, config.beta2), foreach=False)
+    return optimizer, trainable
+
+
+def _accumulate_gradients(model: Any, local: torch.Tensor, config: TrainConfig, accumulation: int,
+                          device: torch.device) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches; returns their summed loss (already divided by
+    the accumulation steps, so the sum over ranks / world is the global batch's mean loss)."""
+    loss_sum = torch.zeros((), device=device)
+    model.train()
+    for micro in local.split(config.micro_batch_size):  # (micro_batch_size, seq_len + 1) token ids
+        micro = micro.to(device)
+        with _autocast(config, device):
+            logits = model(micro[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / accumulation
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
 
 
 class _StopRequest:
