@@ -74,7 +74,8 @@ def _color(layout: str) -> str | None:
 def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, results_path: Path | None = None
                ) -> list[Path]:
     """Three PNGs: tokens/s vs batch, speedup over standard vs batch, latency-vs-throughput Pareto.
-    Lines join pooled values; faint dots are the records pooled (rounds of `--rounds`, sweeps run again)."""
+    Lines join pooled values; faint dots are the records pooled (rounds of `--rounds`, sweeps run again).
+    One panel per model shape, interconnect, lengths, device and decode step (`Panel`)."""
     ok = [r for r in records if r.get("status") == "ok"]
     if not ok:
         raise LadderError("the results file holds no successful measurement to plot")
@@ -83,69 +84,66 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     plt = _pyplot()
     panels = _pooled_points(ok)
     paths = []
-
-    def figure():
+    for name, draw in (("throughput.png", _draw_throughput), ("speedup.png", _draw_speedup),
+                       ("pareto.png", _draw_pareto)):
         fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
-        return fig, zip(axes[0], panels.items())
-
-    def line_style(points: list[_Point], tp: int) -> str:
-        return ["-", "--", ":", "-."][sorted({p.tp for p in points}).index(tp) % 4]
-
-    # 1. tokens/s vs batch, one line per (layout, tp)
-    fig, panel_axes = figure()
-    for ax, (panel, points) in panel_axes:
-        for (layout, tp), series in _by_layout_and_tp(points).items():
-            ax.plot([p.batch_size for p in series], [p.tokens_per_s for p in series], marker="o", color=_color(layout),
-                    linestyle=line_style(points, tp), label=f"{layout} tp={tp}")
-            ax.scatter([p.batch_size for p in series for _ in p.records],
-                       [tps for p in series for tps, _ in p.records], color=_color(layout), s=10, alpha=0.3)
-        ax.set(yscale="log", xlabel="batch size", ylabel="tokens/s", title=_panel_title(panel))
-        _plain_log_labels(ax.yaxis)
-        _batch_axis(ax, [p.batch_size for p in points])
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(_save(fig, out_dir / "throughput.png", plt))
-
-    # 2. speedup over standard vs batch, at equal TP and batch
-    fig, panel_axes = figure()
-    for ax, (panel, points) in panel_axes:
-        standard = {(p.tp, p.batch_size): p.tokens_per_s for p in points if p.layout == "standard"}
-        for (layout, tp), series in _by_layout_and_tp(points).items():
-            series = [p for p in series if (p.tp, p.batch_size) in standard]
-            if layout == "standard" or not series:
-                continue
-            ax.plot([p.batch_size for p in series], [p.tokens_per_s / standard[(tp, p.batch_size)] for p in series],
-                    marker="o", color=_color(layout), linestyle=line_style(points, tp), label=f"{layout} tp={tp}")
-        ax.axhline(1.0, color="black", linewidth=0.8, label="standard")
-        ax.set(xlabel="batch size", ylabel="speedup over standard", title=_panel_title(panel))
-        _batch_axis(ax, [p.batch_size for p in points])
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(_save(fig, out_dir / "speedup.png", plt))
-
-    # 3. Pareto: decode latency per token vs tokens/s per device, across TP and batch
-    fig, panel_axes = figure()
-    for ax, (panel, points) in panel_axes:
-        for layout in sorted({p.layout for p in points}):
-            mine = [p for p in points if p.layout == layout and p.latency_ms is not None]
-            if not mine:
-                continue
-            xy = [(p.latency_ms, p.tokens_per_s / p.tp) for p in mine]
-            ax.scatter(*zip(*xy), color=_color(layout), s=22)
-            faint = [(latency, tps / p.tp) for p in mine for tps, latency in p.records if latency is not None]
-            ax.scatter(*zip(*faint), color=_color(layout), s=8, alpha=0.25)
-            for p, (x, y) in zip(mine, xy):
-                ax.annotate(f"tp{p.tp} b{p.batch_size}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6,
-                            color=_color(layout))
-            ax.plot(*zip(*pareto_frontier(xy)), color=_color(layout), label=layout)
-        ax.set(xscale="log", yscale="log", xlabel="decode latency per token, p50 (ms)",
-               ylabel="tokens/s per device", title=_panel_title(panel) + "\nPareto frontier over TP x batch")
-        _plain_log_labels(ax.xaxis)
-        _plain_log_labels(ax.yaxis)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(_save(fig, out_dir / "pareto.png", plt))
+        for ax, (panel, points) in zip(axes[0], panels.items()):
+            draw(ax, panel, points)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / name, plt))
     return paths
+
+
+def _line_style(points: list[_Point], tp: int) -> str:
+    """One dash pattern per TP degree of the panel."""
+    return ["-", "--", ":", "-."][sorted({p.tp for p in points}).index(tp) % 4]
+
+
+def _draw_throughput(ax: Any, panel: Panel, points: list[_Point]) -> None:
+    """tokens/s vs batch, one line per (layout, tp)."""
+    for (layout, tp), series in _by_layout_and_tp(points).items():
+        ax.plot([p.batch_size for p in series], [p.tokens_per_s for p in series], marker="o", color=_color(layout),
+                linestyle=_line_style(points, tp), label=f"{layout} tp={tp}")
+        ax.scatter([p.batch_size for p in series for _ in p.records],
+                   [tps for p in series for tps, _ in p.records], color=_color(layout), s=10, alpha=0.3)
+    ax.set(yscale="log", xlabel="batch size", ylabel="tokens/s", title=_panel_title(panel))
+    _plain_log_labels(ax.yaxis)
+    _batch_axis(ax, [p.batch_size for p in points])
+
+
+def _draw_speedup(ax: Any, panel: Panel, points: list[_Point]) -> None:
+    """Speedup over standard vs batch, at equal TP and batch."""
+    standard = {(p.tp, p.batch_size): p.tokens_per_s for p in points if p.layout == "standard"}
+    for (layout, tp), series in _by_layout_and_tp(points).items():
+        series = [p for p in series if (p.tp, p.batch_size) in standard]
+        if layout == "standard" or not series:
+            continue
+        ax.plot([p.batch_size for p in series], [p.tokens_per_s / standard[(tp, p.batch_size)] for p in series],
+                marker="o", color=_color(layout), linestyle=_line_style(points, tp), label=f"{layout} tp={tp}")
+    ax.axhline(1.0, color="black", linewidth=0.8, label="standard")
+    ax.set(xlabel="batch size", ylabel="speedup over standard", title=_panel_title(panel))
+    _batch_axis(ax, [p.batch_size for p in points])
+
+
+def _draw_pareto(ax: Any, panel: Panel, points: list[_Point]) -> None:
+    """Decode latency per token vs tokens/s per device across TP and batch, each layout's frontier drawn."""
+    for layout in sorted({p.layout for p in points}):
+        mine = [p for p in points if p.layout == layout and p.latency_ms is not None]
+        if not mine:
+            continue
+        xy = [(p.latency_ms, p.tokens_per_s / p.tp) for p in mine]
+        ax.scatter(*zip(*xy), color=_color(layout), s=22)
+        faint = [(latency, tps / p.tp) for p in mine for tps, latency in p.records if latency is not None]
+        ax.scatter(*zip(*faint), color=_color(layout), s=8, alpha=0.25)
+        for p, (x, y) in zip(mine, xy):
+            ax.annotate(f"tp{p.tp} b{p.batch_size}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6,
+                        color=_color(layout))
+        ax.plot(*zip(*pareto_frontier(xy)), color=_color(layout), label=layout)
+    ax.set(xscale="log", yscale="log", xlabel="decode latency per token, p50 (ms)",
+           ylabel="tokens/s per device", title=_panel_title(panel) + "\nPareto frontier over TP x batch")
+    _plain_log_labels(ax.xaxis)
+    _plain_log_labels(ax.yaxis)
 
 
 def _by_layout_and_tp(points: list[_Point]) -> dict[tuple[str, int], list[_Point]]:
