@@ -9,7 +9,8 @@
 #        26 %). --comm-share measures this machine's step first, so the ratio holds however fast the
 #        CPU is that day (a fixed --link-scale of 10 / 25 gave 23-24 % one day and 32 % the next);
 #  2. plots drawn from the results file;
-#  3. the cost model's prediction for Llama-3-70B on 8x H100 and its check against the paper.
+#  3. the cost model's prediction for Llama-3-70B on 8x H100, with NVLink and with P2P off, and its check
+#     against the paper.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -23,5 +24,5 @@ mkdir -p "$out"
 .venv/bin/ladder bench --interconnect pcie-no-p2p --comm-share 0.25 --tp 4 --batch-sizes 1,4 --runs 5 --rounds 3 \
     --interleave steps --out "$out/bench.jsonl" "$@"
 .venv/bin/ladder bench plot "$out/bench.jsonl"
-.venv/bin/ladder predict --preset llama-3-70b --gpu h100 --interconnect nvlink-h100 --tp 8
+.venv/bin/ladder predict --preset llama-3-70b --gpu h100 --interconnect nvlink-h100,pcie-no-p2p --tp 8
 .venv/bin/ladder predict --validate

@@ -72,15 +72,31 @@ def test_layout_order_and_scaling():
 
 
 def test_predict_command_prints_the_table_of_the_api():
-    out = ladder_cli("predict", "--preset", "llama-3-70b", "--gpu", "h100", "--interconnect", "pcie-no-p2p",
-                     "--tp", "8", "--batch-sizes", "1,16", "--json")
+    out = ladder_cli("predict", "--preset", "llama-3-70b", "--gpu", "h100", "--interconnect", "nvlink-h100,pcie-no-p2p",
+                     "--tp", "4,8", "--batch-sizes", "1,16", "--json")
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [(r["batch_size"], r["layout"]) for r in rows] == [
-        (b, layout) for b in (1, 16) for layout in ("standard", "parallel", "ladder", "upper-bound")]
-    expected = predict_table("llama-3-70b", GPUS["h100"], get_link("pcie-no-p2p"), 8, [1, 16],
-                             ["standard", "parallel", "ladder", "upper-bound"], 1024, 512)
+    layouts = ("standard", "parallel", "ladder", "upper-bound")
+    links, tps = ("nvlink-h100", "pcie-no-p2p"), (4, 8)
+    assert [(r["interconnect"], r["tp"], r["batch_size"], r["layout"]) for r in rows] == [
+        (link, tp, b, layout) for link in links for tp in tps for b in (1, 16) for layout in layouts]
+    expected = [row for link in links for tp in tps
+                for row in predict_table("llama-3-70b", GPUS["h100"], get_link(link), tp, [1, 16], list(layouts),
+                                         1024, 512)]
     assert [r["tokens_per_s"] for r in rows] == pytest.approx([r["tokens_per_s"] for r in expected], rel=1e-9)
+
+
+def test_predicted_hidden_fraction_is_the_papers_definition_on_ladder_rows_only():
+    rows = predict_table("llama-3-70b", GPUS["h100"], get_link("pcie-no-p2p"), 8, [1, 64],
+                         ["standard", "parallel", "ladder", "upper-bound"], 1024, 512)
+    by = {(r["batch_size"], r["layout"]): r for r in rows}
+    for b in (1, 64):
+        seconds = {layout: 1 / by[(b, layout)]["tokens_per_s"] for layout in ("standard", "ladder", "upper-bound")}
+        expected = (seconds["standard"] - seconds["ladder"]) / (seconds["standard"] - seconds["upper-bound"])
+        assert by[(b, "ladder")]["hidden"] == pytest.approx(expected, rel=1e-9)
+        assert 0 < expected < 1
+        assert all(by[(b, layout)]["hidden"] is None for layout in ("standard", "parallel", "upper-bound"))
+        assert by[(b, "ladder")]["tokens_per_s_per_gpu"] == pytest.approx(by[(b, "ladder")]["tokens_per_s"] / 8)
 
 
 def test_every_prediction_states_the_validated_accuracy():

@@ -417,23 +417,34 @@ def cmd_predict(args: argparse.Namespace) -> int:
                       f"{p['predicted']:>11.3f}{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
             print(f"{score(other)} within {other['tolerance']} ({other['fraction_within']:.0%})")
         return 0
-    link = get_link(args.interconnect, args.link_latency_us, args.link_bandwidth_gbps)
-    if link is None:
+    links = [get_link(name, args.link_latency_us, args.link_bandwidth_gbps)
+             for name in parse_list(args.interconnect, str, "--interconnect")]
+    if None in links:
         raise LadderError("ladder predict needs a link model: --interconnect nvlink-h100, pcie-no-p2p, ... or custom")
-    rows = predict_table(args.preset, get_gpu(args.gpu), link, args.tp,
-                         parse_list(args.batch_sizes, int, "--batch-sizes"), parse_list(args.layouts, str, "--layouts"),
-                         args.prompt_len, args.gen_len)
+    rows = [row for link in links for tp in parse_list(args.tp, int, "--tp")
+            for row in predict_table(args.preset, get_gpu(args.gpu), link, tp,
+                                     parse_list(args.batch_sizes, int, "--batch-sizes"),
+                                     parse_list(args.layouts, str, "--layouts"), args.prompt_len, args.gen_len)]
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
-    print(f"predicted (cost model, not measured): {args.preset} on {args.gpu} x{args.tp}, {link.name}, "
-          f"prompt {args.prompt_len}, {args.gen_len} new tokens")
-    print(f"{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'speedup':>9}")
-    for r in rows:
-        print(f"{r['batch_size']:>6}  {r['layout']:<12}{r['tokens_per_s']:>10.1f}{r['speedup']:>9.3f}")
+    print(f"predicted (cost model, not measured): {args.preset} on {args.gpu}, prompt {args.prompt_len}, "
+          f"{args.gen_len} new tokens")
+    print(format_predictions(rows))
     print(stored_accuracy())
     return 0
+
+
+def format_predictions(rows: list[dict[str, Any]]) -> str:
+    """The predictions as a table; `hidden`: the share of standard's communication ladder hides."""
+    lines = [f"{'interconnect':<15}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'per GPU':>9}"
+             f"{'speedup':>9}{'hidden':>8}"]
+    for r in rows:
+        hidden = f"{r['hidden']:>8.2f}" if r["hidden"] is not None else ""
+        lines.append(f"{r['interconnect']:<15}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
+                     f"{r['tokens_per_s']:>10.1f}{r['tokens_per_s_per_gpu']:>9.1f}{r['speedup']:>9.3f}{hidden}")
+    return "\n".join(lines)
 
 
 # ---- train ----------------------------------------------------------------------------------------
@@ -568,10 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--preset", default="llama-3-70b", help=f"model shape, one of: {', '.join(PRESETS)}")
     pr.add_argument("--gpu", default="h100", help="h100, h200 or a100")
     pr.add_argument("--interconnect", default="nvlink-h100",
-                    help="nvlink-h100, pcie-p2p, pcie-no-p2p, infiniband-ndr or custom")
+                    help="nvlink-h100, pcie-p2p, pcie-no-p2p, infiniband-ndr or custom; comma-separated to compare")
     pr.add_argument("--link-latency-us", type=float, help="custom link: latency per all-reduce (us)")
     pr.add_argument("--link-bandwidth-gbps", type=float, help="custom link: bus bandwidth (GB/s)")
-    pr.add_argument("--tp", type=int, default=8, help="tensor-parallel degree")
+    pr.add_argument("--tp", default="8", help="comma-separated tensor-parallel degrees")
     pr.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated batch sizes")
     pr.add_argument("--layouts", default="standard,parallel,ladder,upper-bound", help="comma-separated layouts")
     pr.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence")

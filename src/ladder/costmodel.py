@@ -307,7 +307,11 @@ def stored_accuracy() -> str:
 def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: list[int],
                   layouts: list[str], prompt_len: int, gen_len: int,
                   constants: CostConstants | None = None) -> list[dict[str, Any]]:
-    """Predicted tokens/s for each (batch, layout), and the speedup over standard."""
+    """Predicted tokens/s for each (batch, layout): in all, per GPU, the speedup over standard and,
+    for ladder, the share of standard's communication it hides (the paper's definition, as `ladder
+    bench` reports it)."""
+    from ladder.bench import hidden_fraction
+
     constants = constants or fitted_constants()
     config = get_preset(preset)
     config.check_tp(tp)
@@ -316,11 +320,14 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     rows = []
     for b in batch_sizes:
         w = Workload(config, tp, b, prompt_len, gen_len)
-        standard = predict_tokens_per_s(w, "standard", gpu, link, constants)
+        standard, upper_bound = (predict_tokens_per_s(w, name, gpu, link, constants)
+                                 for name in ("standard", "upper-bound"))
         for layout in layouts:
             tps = predict_tokens_per_s(w, layout, gpu, link, constants)
+            hidden = hidden_fraction(1 / standard, 1 / tps, 1 / upper_bound) if layout == "ladder" else None
             rows.append({"preset": preset, "gpu": gpu.name, "interconnect": link.name, "tp": tp, "batch_size": b,
-                         "layout": layout, "tokens_per_s": tps, "speedup": tps / standard})
+                         "layout": layout, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / tp,
+                         "speedup": tps / standard, "hidden": hidden})
     return rows
 
 
