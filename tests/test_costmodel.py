@@ -99,6 +99,27 @@ def test_predicted_hidden_fraction_is_the_papers_definition_on_ladder_rows_only(
         assert by[(b, "ladder")]["tokens_per_s_per_gpu"] == pytest.approx(by[(b, "ladder")]["tokens_per_s"] / 8)
 
 
+def test_what_fits_in_memory_is_what_the_paper_could_run():
+    """The paper's 70B table has no TP-1 rows and stops at batch 4 on TP 2: those are the configurations
+    whose one rank needs more than the H100's usable memory by `ladder bench`'s estimate."""
+    published = {(r["tp"], r["batch_size"]) for r in paper_table()}
+    for tp in (1, 2, 4, 8):
+        rows = predict_table("llama-3-70b", GPUS["h100"], get_link("nvlink-h100"), tp, [1, 4, 16, 64],
+                             ["standard"], 1024, 512)
+        for r in rows:
+            assert r["fits"] == ((tp, r["batch_size"]) in published), (tp, r["batch_size"])
+
+
+def test_predict_marks_the_rows_that_do_not_fit():
+    out = ladder_cli("predict", "--preset", "llama-3-70b", "--tp", "1,8", "--batch-sizes", "1",
+                     "--layouts", "standard,ladder")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("nvlink-h100")]
+    assert [row[1] for row in rows if "does not fit" in " ".join(row)] == ["1", "1"]
+    assert all(float(row[4]) > 0 for row in rows if row[1] == "8")
+    assert "does not fit: one rank needs more than 90% of one h100's 79.6 GiB" in out.stdout
+
+
 def test_every_prediction_states_the_validated_accuracy():
     out = ladder_cli("predict", "--preset", "llama-3-8b", "--interconnect", "nvlink-h100", "--tp", "8",
                      "--batch-sizes", "1")

@@ -432,6 +432,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(f"predicted (cost model, not measured): {args.preset} on {args.gpu}, prompt {args.prompt_len}, "
           f"{args.gen_len} new tokens")
     print(format_predictions(rows))
+    if not all(r["fits"] for r in rows):
+        from ladder.bench import MEMORY_USABLE
+        gpu = get_gpu(args.gpu)
+        print(f"does not fit: one rank needs more than {MEMORY_USABLE:.0%} of one {gpu.name}'s "
+              f"{gpu.memory_bytes / 2**30:.1f} GiB (weights, KV cache and the prefill's activations)")
     print(stored_accuracy())
     return 0
 
@@ -439,11 +444,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def format_predictions(rows: list[dict[str, Any]]) -> str:
     """The predictions as a table; `hidden`: the share of standard's communication ladder hides."""
     lines = [f"{'interconnect':<15}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'per GPU':>9}"
-             f"{'speedup':>9}{'hidden':>8}"]
+             f"{'speedup':>9}{'hidden':>8}{'GiB/GPU':>9}"]
     for r in rows:
-        hidden = f"{r['hidden']:>8.2f}" if r["hidden"] is not None else ""
-        lines.append(f"{r['interconnect']:<15}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
-                     f"{r['tokens_per_s']:>10.1f}{r['tokens_per_s_per_gpu']:>9.1f}{r['speedup']:>9.3f}{hidden}")
+        where = f"{r['interconnect']:<15}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
+        memory = f"{r['memory_bytes_per_gpu'] / 2**30:>9.1f}"
+        if not r["fits"]:
+            lines.append(f"{where}{'  does not fit':<36}{'':>8}{memory}")
+            continue
+        hidden = f"{r['hidden']:>8.2f}" if r["hidden"] is not None else f"{'':>8}"
+        lines.append(f"{where}{r['tokens_per_s']:>10.1f}{r['tokens_per_s_per_gpu']:>9.1f}{r['speedup']:>9.3f}"
+                     f"{hidden}{memory}")
     return "\n".join(lines)
 
 

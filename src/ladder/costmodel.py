@@ -39,13 +39,18 @@ class GPU:
     name: str
     hbm_bytes_per_s: float
     bf16_flops_per_s: float  # dense
+    memory_bytes: int  # what the driver reports (nvidia-smi memory.total)
     source: str
 
 
+MIB = 2 ** 20
 GPUS = {
-    "h100": GPU("h100", 3.35e12, 989e12, "NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16"),
-    "h200": GPU("h200", 4.8e12, 989e12, "NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, 989 TFLOP/s dense BF16"),
-    "a100": GPU("a100", 2.039e12, 312e12, "NVIDIA A100 SXM 80GB datasheet: 2.039 TB/s, 312 TFLOP/s BF16"),
+    "h100": GPU("h100", 3.35e12, 989e12, 81559 * MIB, "NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3, 989 TFLOP/s "
+                "dense BF16; nvidia-smi on an H100 80GB HBM3: 81559 MiB"),
+    "h200": GPU("h200", 4.8e12, 989e12, 143771 * MIB, "NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, 989 TFLOP/s "
+                "dense BF16; nvidia-smi on an H200: 143771 MiB"),
+    "a100": GPU("a100", 2.039e12, 312e12, 81920 * MIB, "NVIDIA A100 SXM 80GB datasheet: 2.039 TB/s, 312 TFLOP/s "
+                "BF16; nvidia-smi on an A100-SXM4-80GB: 81920 MiB"),
 }
 
 P2P_LINKS = {"on": "nvlink-h100", "off": "pcie-no-p2p"}  # the paper's two conditions
@@ -309,8 +314,10 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
                   constants: CostConstants | None = None) -> list[dict[str, Any]]:
     """Predicted tokens/s for each (batch, layout): in all, per GPU, the speedup over standard and,
     for ladder, the share of standard's communication it hides (the paper's definition, as `ladder
-    bench` reports it)."""
-    from ladder.bench import hidden_fraction
+    bench` reports it). `memory_bytes_per_gpu` is `ladder bench`'s estimate of one rank's peak, and
+    `fits` whether that stays within the share of the GPU's memory `ladder bench` allows itself: the
+    roofline knows no memory limit, so a row that does not fit predicts a run that cannot happen."""
+    from ladder.bench import MEMORY_USABLE, estimate_memory_bytes, hidden_fraction
 
     constants = constants or fitted_constants()
     config = get_preset(preset)
@@ -320,6 +327,7 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     rows = []
     for b in batch_sizes:
         w = Workload(config, tp, b, prompt_len, gen_len)
+        memory = estimate_memory_bytes(config, tp, b, prompt_len, prompt_len + gen_len, w.dtype_bytes)
         standard, upper_bound = (predict_tokens_per_s(w, name, gpu, link, constants)
                                  for name in ("standard", "upper-bound"))
         for layout in layouts:
@@ -327,7 +335,8 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
             hidden = hidden_fraction(1 / standard, 1 / tps, 1 / upper_bound) if layout == "ladder" else None
             rows.append({"preset": preset, "gpu": gpu.name, "interconnect": link.name, "tp": tp, "batch_size": b,
                          "layout": layout, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / tp,
-                         "speedup": tps / standard, "hidden": hidden})
+                         "speedup": tps / standard, "hidden": hidden, "memory_bytes_per_gpu": memory,
+                         "fits": memory <= MEMORY_USABLE * gpu.memory_bytes})
     return rows
 
 
