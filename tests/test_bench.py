@@ -644,3 +644,21 @@ def test_a_setting_added_after_a_record_was_written_takes_its_default():
     del older["cuda_graph"]  # written before --cuda-graph existed
     assert bench.point_key(older, 0) == bench.point_key(point.describe(), 0)
     assert bench.point_key(older, 0) != bench.point_key(dataclasses.replace(point, cuda_graph=True).describe(), 0)
+
+
+def test_the_summary_says_when_there_is_too_little_communication_to_judge_the_hidden_fraction():
+    def record(batch, layout, tokens_per_s):
+        return {"status": "ok", "preset": "tiny", "interconnect": "nvlink-h100", "emulated": True, "tp": 2,
+                "batch_size": batch, "prompt_len": 8, "gen_len": 4, "layout": layout, "tokens_per_s": tokens_per_s,
+                "env": {"device_name": "cpu"}}
+
+    # batch 1: the upper bound is 3 % faster than standard (communication is 2.9 % of its time); batch 4: 33 %
+    records = [record(1, "standard", 100.0), record(1, "ladder", 101.0), record(1, "upper-bound", 103.0),
+               record(4, "standard", 100.0), record(4, "ladder", 130.0), record(4, "upper-bound", 133.0)]
+    rows = summarise(records)
+    assert all(r["hidden"] is not None for r in rows if r["layout"] == "ladder")
+    notes = [line for line in format_summary(rows).splitlines() if line.startswith("note:")]
+    assert notes == ["note: tiny nvlink-h100 (emulated) tp=2 batch 1: communication is 2.9% of standard's time, "
+                     "so the hidden fraction there is mostly noise; dilate the emulated link to measure it "
+                     "(--comm-share 0.25)"]
+    assert notes[0] in format_summary(rows, markdown=True)

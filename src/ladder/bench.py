@@ -971,7 +971,7 @@ def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
             link, speed, hidden, confidence, spread, in_run = _summary_cells(r)
             lines.append(f"| {link} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
                          f"{speed} | {hidden} | {confidence} | {spread} | {in_run} |")
-        return "\n".join(lines)
+        return "\n".join(lines + [f"\n{note}" for note in little_to_hide(rows)])
     width = max([14] + [len(r["preset"]) + 2 for r in rows])
     link_width = max([28] + [len(_summary_cells(r)[0]) + 1 for r in rows])
     header = (f"{'preset':<{width}}{'interconnect':<{link_width}}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}"
@@ -981,4 +981,26 @@ def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
         link, speed, hidden, confidence, spread, in_run = _summary_cells(r)
         lines.append(f"{r['preset']:<{width}}{link:<{link_width}}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
                      f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{confidence:>12}{spread:>12}{in_run:>8}")
-    return "\n".join(lines)
+    return "\n".join(lines + little_to_hide(rows))
+
+
+SMALL_COMMUNICATION_SHARE = 0.05  # of standard's time: below it, t_standard - t_upper_bound is within run-to-run noise
+
+
+def little_to_hide(rows: list[dict[str, Any]]) -> list[str]:
+    """A note for each configuration whose ladder row has a hidden fraction although communication is a
+    small share of standard's time (1 - t_upper_bound / t_standard): there the fraction divides noise by
+    a small difference, and compute dominates the comparison."""
+    upper = {(r["preset"], r["link"], r["decode_step"], r["tp"], r["batch_size"]): r["speedup"]
+             for r in rows if r["layout"] == "upper-bound" and r["speedup"]}
+    notes = []
+    for r in rows:
+        key = (r["preset"], r["link"], r["decode_step"], r["tp"], r["batch_size"])
+        if r["hidden"] is None or key not in upper:
+            continue
+        share = 1 - 1 / upper[key]
+        if share < SMALL_COMMUNICATION_SHARE:
+            dilate = "; dilate the emulated link to measure it (--comm-share 0.25)" if r["emulated"] else ""
+            notes.append(f"note: {r['preset']} {r['link']} tp={r['tp']} batch {r['batch_size']}: communication is "
+                         f"{share:.1%} of standard's time, so the hidden fraction there is mostly noise{dilate}")
+    return notes
