@@ -157,6 +157,11 @@ def dtype_name(point: BenchPoint, device: torch.device) -> str:
 MEMORY_USABLE = 0.9  # of a device's memory; the rest is the allocator's, CUDA's and the graphs' own
 
 
+def fits_in(need_bytes: int, device_bytes: int) -> bool:
+    """Whether a rank needing `need_bytes` (`estimate_memory_bytes`) fits a device of `device_bytes`."""
+    return need_bytes <= MEMORY_USABLE * device_bytes
+
+
 def check_fits(group: Sequence[BenchPoint], device: torch.device) -> None:
     """Refuse a group of configurations (one, or the layouts measured together by --interleave) whose
     models cannot fit on `device`."""
@@ -169,7 +174,7 @@ def check_fits(group: Sequence[BenchPoint], device: torch.device) -> None:
                                  point.prompt_len + point.gen_len, DTYPE_BYTES[dtype], len(group),
                                  weight_sets) * procs_per_host
     have = available_memory_bytes(device)
-    if need > MEMORY_USABLE * have:
+    if not fits_in(need, have):
         what = point.preset if len(group) == 1 else f"{point.preset} ({len(group)} layouts together)"
         hint = "" if len(group) == 1 else "; measure fewer layouts together, or without --interleave"
         raise LadderError(f"{what} at tp={point.tp}, batch {point.batch_size}, "
@@ -237,7 +242,8 @@ def _communicators(group: Sequence[BenchPoint]) -> tuple[torch.device, int, list
 
 
 def _measure(group: Sequence[BenchPoint], engines: Sequence[Engine], comms: Sequence[Any], prompt: torch.Tensor,
-             sampling: SamplingParams, device: torch.device, interleave: str) -> tuple[list[list[Any]], list[list[int]]]:
+             sampling: SamplingParams, device: torch.device, interleave: str
+             ) -> tuple[list[list[Any]], list[list[int]]]:
     """Warm every engine up, then run the measured runs; returns each point's runs and, when runs take
     turns, the turn at which each of its runs happened (in the group's order)."""
     from ladder.engine import synchronize
@@ -827,6 +833,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["speedup"] = tps[label] / tps["standard"]
                 if label.startswith("ladder") and "upper-bound" in tps and key[3] > 1:  # TP 1: nothing to hide
                     triple = [by_layout[name] for name in ("standard", label, "upper-bound")]
+                    row["communication_share"] = 1 - tps["standard"] / tps["upper-bound"]
                     row["hidden"] = pooled_hidden(triple)
                     row["hidden_rounds"] = _hidden_per_round(triple)
                     row["hidden_interval"] = hidden_interval(triple)
@@ -988,19 +995,14 @@ SMALL_COMMUNICATION_SHARE = 0.05  # of standard's time: below it, t_standard - t
 
 
 def little_to_hide(rows: list[dict[str, Any]]) -> list[str]:
-    """A note for each configuration whose ladder row has a hidden fraction although communication is a
-    small share of standard's time (1 - t_upper_bound / t_standard): there the fraction divides noise by
-    a small difference, and compute dominates the comparison."""
-    upper = {(r["preset"], r["link"], r["decode_step"], r["tp"], r["batch_size"]): r["speedup"]
-             for r in rows if r["layout"] == "upper-bound" and r["speedup"]}
+    """A note for each ladder row with a hidden fraction although communication is a small share of
+    standard's time (1 - t_upper_bound / t_standard): there the fraction divides noise by a small
+    difference, and compute dominates the comparison."""
     notes = []
     for r in rows:
-        key = (r["preset"], r["link"], r["decode_step"], r["tp"], r["batch_size"])
-        if r["hidden"] is None or key not in upper:
-            continue
-        share = 1 - 1 / upper[key]
-        if share < SMALL_COMMUNICATION_SHARE:
+        if r["hidden"] is not None and r["communication_share"] < SMALL_COMMUNICATION_SHARE:
             dilate = "; dilate the emulated link to measure it (--comm-share 0.25)" if r["emulated"] else ""
             notes.append(f"note: {r['preset']} {r['link']} tp={r['tp']} batch {r['batch_size']}: communication is "
-                         f"{share:.1%} of standard's time, so the hidden fraction there is mostly noise{dilate}")
+                         f"{r['communication_share']:.1%} of standard's time, so the hidden fraction there is "
+                         f"mostly noise{dilate}")
     return notes

@@ -11,8 +11,8 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -421,10 +421,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
              for name in parse_list(args.interconnect, str, "--interconnect")]
     if None in links:
         raise LadderError("ladder predict needs a link model: --interconnect nvlink-h100, pcie-no-p2p, ... or custom")
-    rows = [row for link in links for tp in parse_list(args.tp, int, "--tp")
-            for row in predict_table(args.preset, get_gpu(args.gpu), link, tp,
-                                     parse_list(args.batch_sizes, int, "--batch-sizes"),
-                                     parse_list(args.layouts, str, "--layouts"), args.prompt_len, args.gen_len)]
+    gpu, tps = get_gpu(args.gpu), parse_list(args.tp, int, "--tp")
+    batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
+    layouts = parse_list(args.layouts, str, "--layouts")
+    rows = [row for link in links for tp in tps
+            for row in predict_table(args.preset, gpu, link, tp, batch_sizes, layouts, args.prompt_len, args.gen_len)]
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -434,7 +435,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(format_predictions(rows))
     if not all(r["fits"] for r in rows):
         from ladder.bench import MEMORY_USABLE
-        gpu = get_gpu(args.gpu)
         print(f"does not fit: one rank needs more than {MEMORY_USABLE:.0%} of one {gpu.name}'s "
               f"{gpu.memory_bytes / 2**30:.1f} GiB (weights, KV cache and the prefill's activations)")
     print(stored_accuracy())

@@ -317,7 +317,7 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     bench` reports it). `memory_bytes_per_gpu` is `ladder bench`'s estimate of one rank's peak, and
     `fits` whether that stays within the share of the GPU's memory `ladder bench` allows itself: the
     roofline knows no memory limit, so a row that does not fit predicts a run that cannot happen."""
-    from ladder.bench import MEMORY_USABLE, estimate_memory_bytes, hidden_fraction
+    from ladder.bench import estimate_memory_bytes, fits_in, hidden_fraction
 
     constants = constants or fitted_constants()
     config = get_preset(preset)
@@ -328,15 +328,16 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     for b in batch_sizes:
         w = Workload(config, tp, b, prompt_len, gen_len)
         memory = estimate_memory_bytes(config, tp, b, prompt_len, prompt_len + gen_len, w.dtype_bytes)
-        standard, upper_bound = (predict_tokens_per_s(w, name, gpu, link, constants)
-                                 for name in ("standard", "upper-bound"))
+        tps = {name: predict_tokens_per_s(w, name, gpu, link, constants)
+               for name in dict.fromkeys([*layouts, "standard", "upper-bound"])}
+        seconds = {name: 1 / value for name, value in tps.items()}  # per generated token: hidden's times
         for layout in layouts:
-            tps = predict_tokens_per_s(w, layout, gpu, link, constants)
-            hidden = hidden_fraction(1 / standard, 1 / tps, 1 / upper_bound) if layout == "ladder" else None
+            hidden = (hidden_fraction(seconds["standard"], seconds[layout], seconds["upper-bound"])
+                      if layout == "ladder" else None)
             rows.append({"preset": preset, "gpu": gpu.name, "interconnect": link.name, "tp": tp, "batch_size": b,
-                         "layout": layout, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / tp,
-                         "speedup": tps / standard, "hidden": hidden, "memory_bytes_per_gpu": memory,
-                         "fits": memory <= MEMORY_USABLE * gpu.memory_bytes})
+                         "layout": layout, "tokens_per_s": tps[layout], "tokens_per_s_per_gpu": tps[layout] / tp,
+                         "speedup": tps[layout] / tps["standard"], "hidden": hidden, "memory_bytes_per_gpu": memory,
+                         "fits": fits_in(memory, gpu.memory_bytes)})
     return rows
 
 
