@@ -389,6 +389,8 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     (["--device", "cpu", "--cuda-graph"], "--cuda-graph needs a CUDA device, and --device cpu is cpu"),
     (["--cuda-graph", "--compile"], "--cuda-graph and --compile both make the decode step a CUDA graph: give one"),
     (["--compile-layers", "--compile"], "--compile compiles the whole decode step and --compile-layers each layer"),
+    (["--out", "."], "--out . is a folder; name a file in it, e.g. bench.jsonl"),
+    (["--out", "/dev/null/r.jsonl"], "cannot write results to /dev/null/r.jsonl"),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path):
     out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",

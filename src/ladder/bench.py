@@ -676,6 +676,19 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def check_results_file(out: Path) -> None:
+    """Refuse a results path that cannot be appended to before measuring, not after the first
+    configuration's minutes."""
+    if out.is_dir():
+        raise LadderError(f"--out {out} is a folder; name a file in it, e.g. {out / 'bench.jsonl'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a"):
+            pass
+    except OSError as exc:
+        raise LadderError(f"cannot write results to {out}: {exc.strerror or exc}") from None
+
+
 def point_key(description: dict[str, Any], round_: int) -> str:
     """What identifies a measurement: the point's every setting (as `describe()` gives it) and its round."""
     return json.dumps([_settings(description), round_], sort_keys=True)
@@ -713,9 +726,10 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
         raise LadderError(f"--rounds must be at least 1, got {rounds}")
     if interleave not in (None, *INTERLEAVE_MODES):
         raise LadderError(f"--interleave takes {' or '.join(INTERLEAVE_MODES)}, not {interleave!r}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    points = [p.with_dtype_resolved() for p in points]
     is_main = int(os.environ.get("RANK", "0")) == 0
+    if is_main:
+        check_results_file(out)
+    points = [p.with_dtype_resolved() for p in points]
     done = done or {}
     records = []
     groups = interleaved_groups(points) if interleave else [[p] for p in points]
@@ -982,12 +996,12 @@ def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     width = max([14] + [len(r["preset"]) + 2 for r in rows])
     link_width = max([28] + [len(_summary_cells(r)[0]) + 1 for r in rows])
     header = (f"{'preset':<{width}}{'interconnect':<{link_width}}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}"
-              f"{'speedup':>9}{'hidden':>8}{'95% CI':>12}{'rounds':>12}{'in run':>8}")
+              f"{'speedup':>9}{'hidden':>8}{'95% CI':>14}{'rounds':>14}{'in run':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         link, speed, hidden, confidence, spread, in_run = _summary_cells(r)
         lines.append(f"{r['preset']:<{width}}{link:<{link_width}}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
-                     f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{confidence:>12}{spread:>12}{in_run:>8}")
+                     f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{confidence:>14}{spread:>14}{in_run:>8}")
     return "\n".join(lines + little_to_hide(rows))
 
 
