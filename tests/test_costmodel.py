@@ -134,6 +134,14 @@ def test_every_prediction_states_the_validated_accuracy():
         assert f"{sum(p['within'] for p in unseen['points'])}/{len(unseen['points'])} on {name}" in footer
 
 
+def test_validate_json_is_the_report_of_the_api():
+    out = ladder_cli("predict", "--validate", "--json")
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    assert printed["held_out"] == json.loads(json.dumps(validate()))
+    assert printed["unseen"] == json.loads(json.dumps({name: validate_unseen(s) for name, s in UNSEEN_SETTINGS.items()}))
+
+
 @pytest.mark.parametrize("args,message", [
     (["--batch-sizes", "0"], "batch sizes, --prompt-len and --gen-len must be >= 1"),
     (["--gen-len", "0"], "batch sizes, --prompt-len and --gen-len must be >= 1"),

@@ -393,29 +393,18 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     import json
 
-    from ladder.costmodel import (UNSEEN_SETTINGS, fitted_constants, get_gpu, predict_table, score,
-                                  stored_accuracy, validate, validate_unseen)
+    from ladder.costmodel import (UNSEEN_SETTINGS, fitted_constants, get_gpu, predict_table, stored_accuracy,
+                                  validate, validate_unseen)
     from ladder.interconnect import get_link
 
     if args.validate:
         constants = fitted_constants()
-        report = validate(constants)
-        print("cost model vs the paper's Llama-3-70B H100 table, held-out batch sizes "
-              f"{report['held_out_batches']} (fitted on {report['train_batches']}):")
-        print(f"{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}")
-        for p in report["points"]:
-            print(f"{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}{p['predicted']:>11.3f}"
-                  f"{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
-        print(f"{score(report)} within {report['tolerance']} of the published ladder/standard "
-              f"speedup ({report['fraction_within']:.0%}); * marks the others")
-        for setting in UNSEEN_SETTINGS.values():
-            other = validate_unseen(setting, constants)
-            print(f"\n{other['description']}:")
-            print(f"{'layout':<10}{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}")
-            for p in other["points"]:
-                print(f"{p['layout']:<10}{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}"
-                      f"{p['predicted']:>11.3f}{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
-            print(f"{score(other)} within {other['tolerance']} ({other['fraction_within']:.0%})")
+        held_out = validate(constants)
+        unseen = {name: validate_unseen(setting, constants) for name, setting in UNSEEN_SETTINGS.items()}
+        if args.json:
+            print(json.dumps({"held_out": held_out, "unseen": unseen}))
+        else:
+            print(format_validation(held_out, list(unseen.values())))
         return 0
     links = [get_link(name, args.link_latency_us, args.link_bandwidth_gbps)
              for name in parse_list(args.interconnect, str, "--interconnect")]
@@ -439,6 +428,28 @@ def cmd_predict(args: argparse.Namespace) -> int:
               f"{gpu.memory_bytes / 2**30:.1f} GiB (weights, KV cache and the prefill's activations)")
     print(stored_accuracy())
     return 0
+
+
+def format_validation(held_out: dict[str, Any], unseen: list[dict[str, Any]]) -> str:
+    """The cost model against the paper: its held-out 70B points, then the settings it never saw."""
+    from ladder.costmodel import score
+
+    lines = ["cost model vs the paper's Llama-3-70B H100 table, held-out batch sizes "
+             f"{held_out['held_out_batches']} (fitted on {held_out['train_batches']}):",
+             f"{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}"]
+    for p in held_out["points"]:
+        lines.append(f"{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}{p['predicted']:>11.3f}"
+                     f"{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
+    lines.append(f"{score(held_out)} within {held_out['tolerance']} of the published ladder/standard "
+                 f"speedup ({held_out['fraction_within']:.0%}); * marks the others")
+    for other in unseen:
+        lines += ["", f"{other['description']}:",
+                  f"{'layout':<10}{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}"]
+        for p in other["points"]:
+            lines.append(f"{p['layout']:<10}{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}"
+                         f"{p['predicted']:>11.3f}{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
+        lines.append(f"{score(other)} within {other['tolerance']} ({other['fraction_within']:.0%})")
+    return "\n".join(lines)
 
 
 def format_predictions(rows: list[dict[str, Any]]) -> str:
@@ -597,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--layouts", default="standard,parallel,ladder,upper-bound", help="comma-separated layouts")
     pr.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence")
     pr.add_argument("--gen-len", type=int, default=512, help="new tokens per sequence")
-    pr.add_argument("--json", action="store_true", help="one JSON line per prediction")
+    pr.add_argument("--json", action="store_true", help="one JSON line per prediction (with --validate: one JSON object, the report)")
     pr.add_argument("--validate", action="store_true", help="compare with the paper's held-out table points")
     pr.set_defaults(func=cmd_predict)
 
