@@ -608,7 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--layouts", default="standard,parallel,ladder,upper-bound", help="comma-separated layouts")
     pr.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence")
     pr.add_argument("--gen-len", type=int, default=512, help="new tokens per sequence")
-    pr.add_argument("--json", action="store_true", help="one JSON line per prediction (with --validate: one JSON object, the report)")
+    pr.add_argument("--json", action="store_true",
+                    help="one JSON line per prediction (with --validate: the report, one JSON object)")
     pr.add_argument("--validate", action="store_true", help="compare with the paper's held-out table points")
     pr.set_defaults(func=cmd_predict)
 
