@@ -81,6 +81,9 @@ def test_generate_batch_with_sampling():
     (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
     (["--stop-ids", "2,x"], "--stop-ids must be comma-separated integers"),
     (["--prompt-ids", "1,999"], "token id 999 is outside the vocabulary [0, 256)"),
+    (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
+    (["--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
+    (["--top-k", "0"], "top_k must be >= 1, got 0"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     if "--prompt-ids" not in args:

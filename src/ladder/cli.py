@@ -158,6 +158,7 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from ladder.engine import SamplingParams
     from ladder.launch import launch
 
     spec = model_spec(args)
@@ -169,6 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise LadderError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.compile and args.compile_layers:
         raise LadderError("give one of --compile (the whole decode step) and --compile-layers (each layer)")
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # its checks, before the minutes of loading
     prompts = [parse_ids(p, "--prompt-ids") for p in args.prompt_ids] if args.prompt_ids else None
     if prompts:
         if len({len(p) for p in prompts}) > 1:
