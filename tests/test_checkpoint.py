@@ -154,6 +154,8 @@ def test_existing_output_needs_force_and_force_replaces_only_a_model_folder(tiny
     _one_line_error(ladder_cli("convert", str(single), "--out", str(a_file), "--force"),
                     f"{a_file} is a file, not a model folder")
     assert a_file.read_text() == "precious"
+    _one_line_error(ladder_cli("convert", str(single), "--out", str(a_file / "dst")),
+                    f"cannot write {a_file / 'dst'}: {a_file} is a file, not a folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "dst"]
 
 

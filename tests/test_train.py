@@ -168,6 +168,16 @@ def test_bad_input(corpus, tmp_path):
     assert leftovers == []  # no half-written checkpoint
 
 
+def test_an_out_dir_under_a_file_is_one_line_before_training(tmp_path):
+    (tmp_path / "a_file").write_text("precious")
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "train", f"out_dir={tmp_path / 'a_file' / 'run'}",
+                          "--no-progress"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"ladder: error: cannot write {tmp_path / 'a_file' / 'run' / 'metrics.jsonl'}: "
+        f"{tmp_path / 'a_file'} is a file, not a folder"], out.stderr
+    assert (tmp_path / "a_file").read_text() == "precious"
+
+
 def test_config_file_and_cli(corpus, tmp_path):
     (tmp_path / "run.toml").write_text(f'preset = "tiny"\ndata = ["{corpus / "train.txt"}"]\nheldout = []\n'
                                        f'seq_len = 32\nsteps = 2\nbatch_size = 4\nmicro_batch_size = 4\n')

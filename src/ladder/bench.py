@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ladder.config import ModelConfig, get_preset
-from ladder.errors import LadderError
+from ladder.errors import LadderError, check_creatable
 from ladder.interconnect import EmulatedCommunicator, LinkModel
 
 if TYPE_CHECKING:  # for annotations only: bench_on_rank imports the engine when a benchmark runs
@@ -681,12 +681,12 @@ def check_results_file(out: Path) -> None:
     configuration's minutes."""
     if out.is_dir():
         raise LadderError(f"--out {out} is a folder; name a file in it, e.g. {out / 'bench.jsonl'}")
+    check_creatable(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a"):
             pass
     except OSError as exc:
-        raise LadderError(f"cannot write results to {out}: {exc.strerror or exc}") from None
+        raise LadderError(f"cannot write results to {out}: {exc.strerror}") from None
 
 
 def point_key(description: dict[str, Any], round_: int) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ladder.config import ModelConfig, RopeScaling
-from ladder.errors import LadderError
+from ladder.errors import LadderError, check_creatable
 from ladder.tokenizer import TextTokenizer
 from ladder.weights import ALL, Slice, hf_names
 
@@ -358,6 +358,7 @@ MODEL_FOLDER_FILES = {"config.json", "generation_config.json", "model.safetensor
 def check_replaceable(out: Path, force: bool) -> None:
     """`out` may be new or, with `force`, a model folder: never a file, and never a folder holding
     anything else (`--out . --force` must not delete the working directory)."""
+    check_creatable(out)
     if not out.exists():
         return
     if not force:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ladder.config import DESYNC_PATTERNS, LAYOUTS, PRESETS
-from ladder.errors import LadderError, Stopped
+from ladder.errors import LadderError, Stopped, check_creatable
 from ladder.loader import DTYPES, ModelSpec
 from ladder.tokenizer import TextTokenizer
 from ladder.train import settings_help
@@ -486,6 +486,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ladder.train import load_train_config
 
     config = load_train_config(args.config, args.overrides)
+    check_creatable(Path(config.out_dir) / "metrics.jsonl")  # before the workers start, not after the first steps
     results = launch(train_on_rank, args.nproc, config, args.resume, not args.no_progress, flag="--nproc",
                      workers_catch_interrupt=True)
     result = results.get(0)
@@ -694,6 +695,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # the file system refused (full disk, permissions): the environment, not a bug
+        say(f"ladder: error: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
+        return 1
 
 
 if __name__ == "__main__":

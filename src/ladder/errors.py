@@ -1,6 +1,7 @@
 """The exceptions users see as one line: errors of their input or environment, and stop signals."""
 
 import signal
+from pathlib import Path
 
 
 class LadderError(Exception):
@@ -14,3 +15,15 @@ class Stopped(BaseException):
     def __init__(self, signum: int, said: str = "") -> None:
         self.signum = signum  # `said`: what the stopped work did about it (saved a checkpoint)
         super().__init__(f"stopped by {signal.Signals(signum).name}" + (f": {said}" if said else ""))
+
+
+def check_creatable(path: Path) -> None:
+    """Make `path`'s folder (before the work whose result goes there, not after it), or say in one
+    line why it cannot be made."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next(p for p in reversed(path.parents) if p.exists() and not p.is_dir())
+        raise LadderError(f"cannot write {path}: {blocker} is a file, not a folder") from None
+    except OSError as exc:
+        raise LadderError(f"cannot write {path}: {exc.strerror}") from None

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ladder.bench import decode_step, layout_label, link_label, pooled_tokens_per_s
-from ladder.errors import LadderError
+from ladder.errors import LadderError, check_creatable
 
 COLORS = {"standard": "tab:gray", "parallel": "tab:blue", "ladder": "tab:red", "desync": "tab:purple",
           "upper-bound": "tab:green"}
@@ -80,7 +80,7 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     if not ok:
         raise LadderError("the results file holds no successful measurement to plot")
     out_dir = out_dir or (results_path.parent if results_path else Path("."))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_creatable(out_dir / "throughput.png")
     plt = _pyplot()
     panels = _pooled_points(ok)
     paths = []
@@ -211,5 +211,5 @@ def plot_training(runs: list[Path], out: Path) -> Path:
     _plain_log_labels(ax.yaxis)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_creatable(out)
     return _save(fig, out, plt)
