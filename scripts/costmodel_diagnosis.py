@@ -8,7 +8,7 @@ modelled prefill all-reduces, over the 512 x 160 decode all-reduces; the predict
 
 Run: .venv/bin/python scripts/costmodel_diagnosis.py"""
 
-from ladder.bench import hidden_fraction
+from ladder.results import hidden_fraction
 from ladder.config import get_preset
 from ladder.costmodel import GPUS, P2P_LINKS, Workload, fitted_constants, paper_throughputs, predict_tokens_per_s
 from ladder.interconnect import link_presets

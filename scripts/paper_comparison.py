@@ -7,7 +7,7 @@ pcie-no-p2p for NCCL_P2P_DISABLE=1.)"""
 import argparse
 from pathlib import Path
 
-from ladder.bench import decode_step, format_summary, hidden_fraction, read_results, summarise
+from ladder.results import decode_step, format_summary, hidden_fraction, read_results, summarise
 from ladder.costmodel import P2P_LINKS, paper_throughputs
 
 P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}

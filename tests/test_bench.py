@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from ladder import bench
-from ladder.bench import (BenchPoint, format_summary, measured_already, read_results, run_sweep, summarise,
-                          sweep_points)
+from ladder import results
+from ladder.bench import BenchPoint, measured_already, run_sweep, sweep_points
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
+from ladder.results import format_summary, read_results, summarise
 
 from helpers import ladder_cli, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
@@ -119,7 +120,7 @@ def test_hidden_of_layouts_that_took_turns_compares_their_total_times_over_the_s
 
 
 def test_hidden_interval_resamples_interleaved_runs_together():
-    from ladder.bench import hidden_interval
+    from ladder.results import hidden_interval
 
     # Every turn hides exactly 0.9 of standard's communication, but the machine's speed drifts from
     # turn to turn (x0.7 .. x1.3), as on a busy VM; the layouts took turns, so each turn's drift hit all three.
@@ -143,7 +144,7 @@ def test_hidden_interval_resamples_interleaved_runs_together():
     assert hidden_interval([[r] for r in split]) == pytest.approx((0.9, 0.9))
     # A sweep run twice into one file repeats its rounds: the turns of each stay apart.
     twice = [records(t_standard, True)[0] | {"env": {"time": start}} for start in ("10:00:00", "10:05:00")]
-    assert len(bench._runs_by_turn(twice)) == 2 * len(drift)
+    assert len(results._runs_by_turn(twice)) == 2 * len(drift)
 
 
 def test_plots_pool_records_as_the_summary_does():
@@ -390,7 +391,7 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     (["--cuda-graph", "--compile"], "--cuda-graph and --compile both make the decode step a CUDA graph: give one"),
     (["--compile-layers", "--compile"], "--compile compiles the whole decode step and --compile-layers each layer"),
     (["--out", "."], "--out . is a folder; name a file in it, e.g. bench.jsonl"),
-    (["--out", "/dev/null/r.jsonl"], "cannot write results to /dev/null/r.jsonl"),
+    (["--out", "/dev/null/r.jsonl"], "cannot write /dev/null/r.jsonl: /dev/null is a file, not a folder"),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path):
     out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",

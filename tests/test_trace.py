@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ladder.bench import BenchPoint, read_results, run_sweep
+from ladder.bench import BenchPoint, run_sweep
+from ladder.results import read_results
 from ladder.interconnect import LinkModel
 from ladder.trace import SYNC_MARKER, link_overlap, read_trace
 

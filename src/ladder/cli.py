@@ -349,7 +349,8 @@ def announce_sweep(args: argparse.Namespace, n_points: int, links: list[Any], ou
 
 def report_sweep(records: list[dict[str, Any]], done: dict[str, dict[str, Any]], out: Path) -> int:
     """Print the summary table, the counts and each trace's overlap; 1 when nothing could be measured."""
-    from ladder.bench import format_summary, point_key, summarise
+    from ladder.bench import point_key
+    from ladder.results import format_summary, summarise
     from ladder.distributed import print_rank0
 
     if not records:
@@ -371,7 +372,7 @@ def report_sweep(records: list[dict[str, Any]], done: dict[str, dict[str, Any]],
 
 
 def cmd_bench_summary(args: argparse.Namespace) -> int:
-    from ladder.bench import format_summary, read_results, summarise
+    from ladder.results import format_summary, read_results, summarise
 
     records = [r for path in args.results for r in read_results(Path(path))]
     print(format_summary(summarise(records), markdown=args.markdown))
@@ -381,7 +382,7 @@ def cmd_bench_summary(args: argparse.Namespace) -> int:
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ladder.bench import read_results
+    from ladder.results import read_results
     from ladder.plots import plot_bench
 
     records = read_results(Path(args.results))

@@ -317,7 +317,8 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     bench` reports it). `memory_bytes_per_gpu` is `ladder bench`'s estimate of one rank's peak, and
     `fits` whether that stays within the share of the GPU's memory `ladder bench` allows itself: the
     roofline knows no memory limit, so a row that does not fit predicts a run that cannot happen."""
-    from ladder.bench import estimate_memory_bytes, fits_in, hidden_fraction
+    from ladder.bench import estimate_memory_bytes, fits_in
+    from ladder.results import hidden_fraction
 
     constants = constants or fitted_constants()
     config = get_preset(preset)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ladder.bench import decode_step, layout_label, link_label, pooled_tokens_per_s
+from ladder.results import decode_step, layout_label, link_label, pooled_tokens_per_s
 from ladder.errors import LadderError, check_creatable
 
 COLORS = {"standard": "tab:gray", "parallel": "tab:blue", "ladder": "tab:red", "desync": "tab:purple",
