@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ladder.errors import LadderError
+from ladder.interconnect import trace_emulated_launches
 from ladder.model import Transformer
 
 TokenCallback = Callable[[torch.Tensor], None]
@@ -104,6 +105,7 @@ class Engine:
             # CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each
             # all-reduce launch down to its wait, and the overlap with it.
             options = {"triton.cudagraphs": self.device.type == "cuda", "reorder_for_locality": False}
+            trace_emulated_launches()
             self._decode = torch.compile(self._decode_step, fullgraph=True, options=options)
 
     def _decode_step(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import itertools
 import time
 import weakref
 from dataclasses import asdict, dataclass
+from time import perf_counter
 
 import torch
 
@@ -160,7 +161,7 @@ class _DeadlineHandle:
     def wait(self, after: torch.Tensor | None = None) -> torch.Tensor:
         # What was still left of the modelled transfer when compute needed the result: not hidden.
         # (Late wake-ups of this thread are the emulation's overhead, not communication: not counted.)
-        remaining = self.deadline - time.perf_counter()
+        remaining = self.deadline - perf_counter()
         if remaining > 0:
             self.comm.exposed_s += remaining
             wait_until(self.deadline)
@@ -219,9 +220,8 @@ class EmulatedCommunicator:
         self.count = 0
         self.transfers: list[tuple[float, float]] | None = None  # (start, end) of each, when a trace wants them
         # Every eager all-reduce runs this class's Python between two of the model's matrix products,
-        # where the interpreter runs cold, and upper bound runs none of it: kept short (on this 2-core
-        # CPU, 11 us an all-reduce inside a llama-160m step, down from 21). Durations are looked up by
-        # message size (a model sends few sizes; link and scale are fixed at construction).
+        # where the interpreter runs cold, and upper bound runs none of it: kept short (`_launch`).
+        # Durations are looked up by message size (a model sends few sizes; link and scale are fixed).
         self.on_cuda = device.type == "cuda"
         self._duration_of_bytes: dict[int, float] = {}
         if self.on_cuda:
@@ -242,32 +242,14 @@ class EmulatedCommunicator:
         return 1.0 - self.exposed_s / self.modelled_s
 
     def duration_s(self, x: torch.Tensor) -> float:
-        n_bytes = x.numel() * x.element_size()
+        n_bytes = x.nbytes
         duration = self._duration_of_bytes.get(n_bytes)
         if duration is None:
-            duration = self.link.all_reduce_s(n_bytes, self.world_size) * self.scale
-            self._duration_of_bytes[n_bytes] = duration
+            duration = self._duration_of_bytes[n_bytes] = self.link.all_reduce_s(n_bytes, self.world_size) * self.scale
         return duration
 
     def all_reduce_async(self, x: torch.Tensor) -> Handle:
-        # Eager calls the Python directly: through the custom ops a launch and its wait cost ~100 us
-        # instead of ~5 us on a CPU (measured alone), a cost charged to the layouts that communicate.
-        if torch.compiler.is_compiling():
-            return _TracedHandle(torch.ops.ladder.emulated_all_reduce(x, self.comm_id), self.comm_id)
-        return self._launch(x)
-
-    def _launch(self, x: torch.Tensor) -> Handle:
-        duration = self.duration_s(x)
-        self.modelled_s += duration
-        self.count += 1
-        if self.on_cuda:
-            return self._cuda_sleep(x, duration)
-        now = time.perf_counter()
-        start = now if now > self.link_free_at else self.link_free_at
-        self.link_free_at = start + duration
-        if self.transfers is not None:
-            self.transfers.append((start, self.link_free_at))
-        return _DeadlineHandle(x, self.link_free_at, self)
+        return _launch(self, x)  # inside a torch.compile graph: `_launch_in_graph`
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_async(x).wait()
@@ -291,12 +273,30 @@ _COMMUNICATORS: weakref.WeakValueDictionary[int, EmulatedCommunicator] = weakref
 _comm_ids = itertools.count()
 
 
+def _launch(comm: EmulatedCommunicator, x: torch.Tensor) -> Handle:
+    """Book the link for an all-reduce of x and return its handle. Eager steps call this directly
+    (through the custom op it would cost ~100 us instead of ~10 on a CPU, charged to the layouts that
+    communicate) and without asking `torch.compiler.is_compiling()` first, 2-5 us of a cold interpreter
+    an all-reduce: a compiled step holds `_launch_in_graph` in its place (`trace_emulated_launches`)."""
+    duration = comm.duration_s(x)
+    comm.modelled_s += duration
+    comm.count += 1
+    if comm.on_cuda:
+        return comm._cuda_sleep(x, duration)
+    now = perf_counter()
+    free = comm.link_free_at
+    comm.link_free_at = end = (now if now > free else free) + duration
+    if comm.transfers is not None:
+        comm.transfers.append((end - duration, end))
+    return _DeadlineHandle(x, end, comm)
+
+
 @torch.library.custom_op("ladder::emulated_all_reduce", mutates_args=())
 def _emulated_all_reduce(x: torch.Tensor, comm_id: int) -> torch.Tensor:
     """Launch an emulated all-reduce of x; its result is a new tensor, as with funcol.all_reduce."""
     result = x.clone()
     comm = _COMMUNICATORS[comm_id]
-    comm.in_flight.append(comm._launch(result))
+    comm.in_flight.append(_launch(comm, result))
     return result
 
 
@@ -311,6 +311,19 @@ def _emulated_wait(result: torch.Tensor, after: torch.Tensor | None, comm_id: in
     "writes" `result`, so whatever reads the result is ordered after the wait. The waits of a model
     come in launch order: each result feeds the residual stream the next one is added to."""
     _COMMUNICATORS[comm_id].in_flight.popleft().wait()
+
+
+def _launch_in_graph(comm: EmulatedCommunicator, x: torch.Tensor) -> Handle:
+    """`_launch` as a torch.compile graph holds it: the launch op, its body run when the graph runs."""
+    return _TracedHandle(torch.ops.ladder.emulated_all_reduce(x, comm.comm_id), comm.comm_id)
+
+
+@functools.cache
+def trace_emulated_launches() -> None:
+    """Let torch.compile trace emulated all-reduces: dynamo, inlining `_launch`, puts `_launch_in_graph`
+    in the graph in its place (without this, a compiled step with an emulated link fails to trace).
+    Called before a step is compiled, not at import: it imports torch._dynamo (~1 s)."""
+    torch.compiler.substitute_in_graph(_launch)(_launch_in_graph)
 
 
 def _sleep_cycles_per_second(device: torch.device) -> float:
