@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import random
 import resource
 import socket
 import statistics
@@ -126,9 +127,10 @@ def checkpoint_config(name_or_path: str) -> ModelConfig:
 
 def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: int, seq: int, dtype_bytes: int,
                           models: int = 1, weight_sets: int = 1) -> int:
-    """One rank's weights (`weight_sets` distinct copies), the KV cache of each of `models` models, and
-    the largest activation (one model runs at a time: the prefill's), in bytes. Within 2 % of the peak
-    an H100 measured for the 70B shard at TP 8, batch 64 (tests/test_bench.py)."""
+    """One rank's weights (shared by the `models` models: one set, unless `weight_sets` says otherwise),
+    the KV cache of each model, and the largest activation (one model runs at a time: the prefill's),
+    in bytes. Within 2 % of the peak an H100 measured for the 70B shard at TP 8, batch 64
+    (tests/test_bench.py)."""
     kv_heads = max(1, config.n_kv_heads // tp)
     vocab_weights = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)  # whole on every rank
     weights = (config.n_params() - vocab_weights) / tp + vocab_weights
@@ -169,10 +171,8 @@ def check_fits(group: Sequence[BenchPoint], device: torch.device) -> None:
     config = point.config()
     dtype = dtype_name(point, device)
     procs_per_host = point.tp if not point.emulated and device.type == "cpu" else 1
-    weight_sets = len({p.layout == "parallel" for p in group})  # the others share one set (share_weights)
     need = estimate_memory_bytes(config, point.tp, point.batch_size, point.prompt_len,
-                                 point.prompt_len + point.gen_len, DTYPE_BYTES[dtype], len(group),
-                                 weight_sets) * procs_per_host
+                                 point.prompt_len + point.gen_len, DTYPE_BYTES[dtype], len(group)) * procs_per_host
     have = available_memory_bytes(device)
     if not fits_in(need, have):
         what = point.preset if len(group) == 1 else f"{point.preset} ({len(group)} layouts together)"
@@ -264,7 +264,7 @@ def _measure(group: Sequence[BenchPoint], engines: Sequence[Engine], comms: Sequ
             for j, run in enumerate(generate_in_turns(engines, prompt, first.gen_len, sampling, shift=i)):
                 runs[j].append(run)
         else:
-            for turn, j in enumerate(_rotated(range(len(group)), i), start=i * len(group)):
+            for turn, j in enumerate(turn_order(len(group), i), start=i * len(group)):
                 synchronize(device)
                 turns[j].append(turn)
                 runs[j].append(engines[j].generate(prompt, first.gen_len, sampling))
@@ -330,32 +330,42 @@ def agree_on_measured_already(done: dict[str, dict[str, Any]], points: Sequence[
 def generate_in_turns(engines: Sequence[Engine], prompt: torch.Tensor, gen_len: int, sampling: SamplingParams,
                       shift: int = 0) -> list[GenerationResult]:
     """One generation per engine (one per layout, each with its own KV cache), stepped in turns: every
-    prefill, then every first decode step, and so on; each turn in an order rotated by one from the
-    last, so that no layout always follows the same one. Each result times only its own steps."""
+    prefill, then every first decode step, and so on, each turn in its own order (`turn_order`). Each
+    result times only its own steps."""
     generations = [engine.start(prompt, gen_len, sampling) for engine in engines]
-    for turn in itertools.count(shift):
+    for turn in itertools.count(shift * (gen_len + 1)):
         if all(g.finished for g in generations):
             break
-        for j in _rotated(range(len(generations)), turn):
+        for j in turn_order(len(generations), turn):
             if not generations[j].finished:
                 generations[j].step()
     return [g.result() for g in generations]
 
 
-def _rotated(items: range, shift: int) -> list[int]:
-    """`items` starting at position `shift`: each layout in turn goes first, and follows each other."""
-    k = shift % len(items)
-    return list(items[k:]) + list(items[:k])
+def turn_order(n: int, turn: int) -> list[int]:
+    """The order in which n layouts take turn `turn`: a permutation drawn for that turn (reproducible).
+    What a layout follows matters on a CPU (the caches it finds, whether the intra-op threads it needs
+    went to sleep while the last one waited), and rotating one order would not vary it: in
+    [s p l u], [p l u s], ... ladder follows parallel at 3 turns out of 4 and standard follows upper
+    bound at all but the first. Drawn anew each turn, every layout follows every other equally often
+    on average."""
+    order = list(range(n))
+    random.Random(turn).shuffle(order)
+    return order
 
 
 def _build_models(point: BenchPoint, configs: list[ModelConfig], comms: list[Any], device: torch.device,
                   dtype: torch.dtype) -> list[torch.nn.Module]:
-    """One model per layout. Layouts with the same parameters share one set of weights."""
+    """One model per layout, every one computing with one set of weights (`share_weights`), held by a
+    layout with every parameter (parallel, with one norm per layer, has fewer) whatever the order of
+    the layouts: measured in turns, layouts on different weights would start with caches that
+    differ."""
     from ladder.weights import build_model, init_local_shard, share_weights
 
-    models: list[torch.nn.Module] = []
+    models: dict[int, torch.nn.Module] = {}
     owners: list[torch.nn.Module] = []  # the models that hold a set of weights
-    for config, comm in zip(configs, comms):
+    for i in sorted(range(len(configs)), key=lambda i: configs[i].layout == "parallel"):
+        config, comm = configs[i], comms[i]
         shared = (share_weights(config, comm, owner) for owner in owners)
         model = next((m for m in shared if m is not None), None)
         if model is None:
@@ -368,8 +378,8 @@ def _build_models(point: BenchPoint, configs: list[ModelConfig], comms: list[Any
                 from ladder.weights import load_weights
 
                 load_weights(model, open_checkpoint(point.checkpoint).source)
-        models.append(model)
-    return models
+        models[i] = model
+    return [models[i] for i in range(len(configs))]
 
 
 # ---- --comm-share: a link dilated to a share of the step --------------------------------------------

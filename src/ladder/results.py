@@ -16,6 +16,7 @@ from ladder.errors import LadderError
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:
+    """Every record of a results file, in the order measured (failed configurations included)."""
     if not path.is_file():
         raise LadderError(f"no results file at {path}")
     text = path.read_text()

@@ -111,15 +111,17 @@ def build_model(config: ModelConfig, comm: Communicator, device: torch.device,
 
 
 def share_weights(config: ModelConfig, comm: Communicator, like: Transformer) -> Transformer | None:
-    """A model of `config`'s layout computing with `like`'s weights (no copy), or None when the two
-    layouts have different parameters (parallel has one norm per layer, the others two). Standard,
-    ladder, hybrid, desync and upper-bound differ only in how `forward` wires the same modules."""
+    """A model of `config`'s layout computing with `like`'s weights (no copy), or None when `like` lacks
+    some of its parameters. Standard, ladder, hybrid, desync and upper-bound differ only in how
+    `forward` wires the same modules; parallel has one norm per layer where they have two, so it can
+    share theirs (using the attention norm for both modules) but they cannot share parallel's."""
     with torch.device("meta"):
         model = Transformer(config, comm, shard_vocab=like.shard_vocab)
     state = like.state_dict()
-    if state.keys() != model.state_dict().keys():
+    needed = model.state_dict().keys()
+    if not needed <= state.keys():
         return None
-    model.load_state_dict(state, assign=True)
+    model.load_state_dict({name: state[name] for name in needed}, assign=True)
     model.tie_weights()
     model.inv_freq = like.inv_freq
     return model
