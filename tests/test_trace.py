@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ladder.bench import BenchPoint, run_sweep
-from ladder.results import read_results
 from ladder.interconnect import LinkModel
+from ladder.results import read_results
 from ladder.trace import SYNC_MARKER, link_overlap, read_trace
 
 from helpers import in_flight_at_each_wait

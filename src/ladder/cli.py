@@ -439,20 +439,25 @@ def format_validation(held_out: dict[str, Any], unseen: list[dict[str, Any]]) ->
 
     lines = ["cost model vs the paper's Llama-3-70B H100 table, held-out batch sizes "
              f"{held_out['held_out_batches']} (fitted on {held_out['train_batches']}):",
-             f"{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}"]
-    for p in held_out["points"]:
-        lines.append(f"{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}{p['predicted']:>11.3f}"
-                     f"{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
-    lines.append(f"{score(held_out)} within {held_out['tolerance']} of the published ladder/standard "
-                 f"speedup ({held_out['fraction_within']:.0%}); * marks the others")
+             *_validation_table(held_out["points"], with_layout=False),
+             f"{score(held_out)} within {held_out['tolerance']} of the published ladder/standard "
+             f"speedup ({held_out['fraction_within']:.0%}); * marks the others"]
     for other in unseen:
-        lines += ["", f"{other['description']}:",
-                  f"{'layout':<10}{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}"]
-        for p in other["points"]:
-            lines.append(f"{p['layout']:<10}{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}{p['published']:>11.3f}"
-                         f"{p['predicted']:>11.3f}{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
-        lines.append(f"{score(other)} within {other['tolerance']} ({other['fraction_within']:.0%})")
+        lines += ["", f"{other['description']}:", *_validation_table(other["points"], with_layout=True),
+                  f"{score(other)} within {other['tolerance']} ({other['fraction_within']:.0%})"]
     return "\n".join(lines)
+
+
+def _validation_table(points: list[dict[str, Any]], with_layout: bool) -> list[str]:
+    """Published against predicted speedup, a line per point; * marks a point outside the tolerance."""
+    def layout(text: str) -> str:
+        return f"{text:<10}" if with_layout else ""
+
+    lines = [f"{layout('layout')}{'tp':>3}{'batch':>6}{'p2p':>5}{'published':>11}{'predicted':>11}{'error':>8}"]
+    for p in points:
+        lines.append(f"{layout(p.get('layout', ''))}{p['tp']:>3}{p['batch_size']:>6}{p['p2p']:>5}"
+                     f"{p['published']:>11.3f}{p['predicted']:>11.3f}{p['error']:>+8.3f}{'' if p['within'] else '  *'}")
+    return lines
 
 
 def format_predictions(rows: list[dict[str, Any]]) -> str:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ladder.results import decode_step, layout_label, link_label, pooled_tokens_per_s
 from ladder.errors import LadderError, check_creatable
+from ladder.results import decode_step, layout_label, link_label, pooled_tokens_per_s
 
 COLORS = {"standard": "tab:gray", "parallel": "tab:blue", "ladder": "tab:red", "desync": "tab:purple",
           "upper-bound": "tab:green"}
