@@ -28,7 +28,9 @@ def test_lookup_is_exact():
 def test_hybrid_is_ladder_with_ladder_layers():
     c = get_preset("smollm2-135m", layout="hybrid", ladder_layers=8)
     assert c.layout == "ladder" and c.n_ladder_layers == 8
-    assert [c.is_ladder_layer(i) for i in (21, 22, 29)] == [False, True, True]
+    assert c.first_ladder_layer == 22  # layers 22..29
+    assert get_preset("smollm2-135m", layout="ladder").first_ladder_layer == 0
+    assert get_preset("smollm2-135m", layout="standard").first_ladder_layer == 30
     assert c.layout_name == "hybrid (ladder on last 8 of 30 layers)"
 
 

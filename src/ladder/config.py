@@ -103,8 +103,10 @@ class ModelConfig:
         ladder_layers = self.n_ladder_layers if self.layout == "ladder" else None
         return self.replace(ladder_layers=ladder_layers, source="")
 
-    def is_ladder_layer(self, layer: int) -> bool:
-        return layer >= self.n_layers - self.n_ladder_layers
+    @property
+    def first_ladder_layer(self) -> int:
+        """The first layer that follows the ladder recurrence (n_layers when none does)."""
+        return self.n_layers - self.n_ladder_layers
 
     def desync_reduces(self, module: int) -> bool:
         """Whether module `module` (0-based, execution order A_0, M_0, A_1, ...) is all-reduced in desync."""

@@ -313,12 +313,16 @@ class Transformer(nn.Module):
         """
         pending: list[Handle] = []
         y = None  # the newest module's output: the compute a wait must come after
+        # Looked up once a forward, not once a module: this loop runs between matrix products, where
+        # the interpreter runs cold and each Python call costs microseconds that upper bound never pays.
+        first_ladder_module = 2 * self.config.first_ladder_layer
+        comm = self.comm
         for j, module in self._residual_modules(rope, input_pos, mask):
-            stale = self.config.is_ladder_layer(j // 2)
+            stale = j >= first_ladder_module
             while len(pending) > (1 if stale else 0):
                 r = r + pending.pop(0).wait(after=y)
             y = module(r)  # (B, T, dim), partial sum of this rank
-            pending.append(self.comm.all_reduce_async(y) if stale else Done(self.comm.all_reduce(y)))
+            pending.append(comm.all_reduce_async(y) if stale else Done(comm.all_reduce(y)))
         for handle in pending:  # only the last all-reduce is exposed
             r = r + handle.wait(after=y)
         return r
