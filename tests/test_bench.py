@@ -399,6 +399,7 @@ def test_bad_input_is_one_line(args, message, tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert message in lines[0]
+    assert out.stdout == ""  # refused before the sweep is announced
 
 
 def test_comm_share_calibration_counts_standards_all_reduces_on_the_undilated_link():

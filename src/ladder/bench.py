@@ -193,7 +193,7 @@ def bench_on_rank(group: Sequence[BenchPoint], interleave: str = "runs") -> list
     ladder, upper-bound, ladder, upper-bound, standard, ...) so that the machine's drift hits every
     layout alike, or with `interleave="steps"` their steps do (`generate_in_turns`); warm-up runs of
     every layout come first."""
-    from ladder.distributed import shutdown_distributed
+    from ladder.distributed import is_rank0, shutdown_distributed
     from ladder.launch import under_torchrun
     from ladder.engine import Engine, SamplingParams
 
@@ -726,14 +726,14 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
     into time-limited jobs)."""
     from tqdm import tqdm
 
-    from ladder.distributed import shutdown_distributed
+    from ladder.distributed import is_rank0, shutdown_distributed
     from ladder.launch import under_torchrun
 
     if rounds < 1:
         raise LadderError(f"--rounds must be at least 1, got {rounds}")
     if interleave not in (None, *INTERLEAVE_MODES):
         raise LadderError(f"--interleave takes {' or '.join(INTERLEAVE_MODES)}, not {interleave!r}")
-    is_main = int(os.environ.get("RANK", "0")) == 0
+    is_main = is_rank0()
     if is_main:
         check_results_file(out)
     points = [p.with_dtype_resolved() for p in points]

@@ -286,8 +286,9 @@ def parse_list(text: str, kind: type = str, flag: str = "") -> list:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ladder.bench import check_comm_share, dilate_to_share, measured_already, run_sweep, sweep_points
-    from ladder.distributed import print_rank0
+    from ladder.bench import (check_comm_share, check_results_file, dilate_to_share, measured_already, run_sweep,
+                              sweep_points)
+    from ladder.distributed import is_rank0, print_rank0
     from ladder.interconnect import get_link
 
     links = [get_link(name, args.link_latency_us, args.link_bandwidth_gbps)
@@ -310,6 +311,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.comm_share is not None:
         check_comm_share(points, args.comm_share)
     out = Path(args.out)
+    if is_rank0():  # before anything is announced or measured (--comm-share times a step first)
+        check_results_file(out)
     announce_sweep(args, len(points), links, out)
     done = measured_already(out) if args.resume else {}
     if args.comm_share is not None:

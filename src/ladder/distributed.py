@@ -232,8 +232,13 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def is_rank0() -> bool:
+    """Whether this process is global rank 0 (every process is when not launched by torchrun)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def print_rank0(*args: object, **kwargs: object) -> None:
     """print() on global rank 0 only (every process when not distributed)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank0():
         print(*args, **kwargs)  # type: ignore[call-overload]
         sys.stdout.flush()
