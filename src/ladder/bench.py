@@ -193,7 +193,7 @@ def bench_on_rank(group: Sequence[BenchPoint], interleave: str = "runs") -> list
     ladder, upper-bound, ladder, upper-bound, standard, ...) so that the machine's drift hits every
     layout alike, or with `interleave="steps"` their steps do (`generate_in_turns`); warm-up runs of
     every layout come first."""
-    from ladder.distributed import is_rank0, shutdown_distributed
+    from ladder.distributed import shutdown_distributed
     from ladder.launch import under_torchrun
     from ladder.engine import Engine, SamplingParams
 

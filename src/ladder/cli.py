@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ladder.config import DESYNC_PATTERNS, LAYOUTS, PRESETS
+from ladder.distributed import is_rank0
 from ladder.errors import LadderError, Stopped, check_creatable
 from ladder.loader import DTYPES, ModelSpec
 from ladder.tokenizer import TextTokenizer
@@ -30,9 +31,7 @@ BENCH_DEFAULTS = {"preset": "llama-160m", "layouts": "standard,parallel,ladder,u
 
 def info(message: str) -> None:
     """Status lines go to stderr (rank 0 only), so stdout carries only the answer."""
-    import os
-
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank0():
         print(message, file=sys.stderr, flush=True)
 
 
@@ -288,7 +287,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from ladder.bench import (check_comm_share, check_results_file, dilate_to_share, measured_already, run_sweep,
                               sweep_points)
-    from ladder.distributed import is_rank0, print_rank0
+    from ladder.distributed import print_rank0
     from ladder.interconnect import get_link
 
     links = [get_link(name, args.link_latency_us, args.link_bandwidth_gbps)
