@@ -13,17 +13,13 @@ a step.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
 
-import torch
-
+from decode_in_turns import decode_in_turns  # scripts/, on sys.path when a script runs
 from ladder.config import get_preset
-from ladder.interconnect import EmulatedCommunicator, get_link
-from ladder.weights import build_model, init_local_shard, share_weights
 
 LAYOUTS = ("ladder", "upper-bound", "standard")
+_NO_DURATION = 1e-9  # the link's dilation: every wait is nothing
 
 
 def main() -> None:
@@ -31,31 +27,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="decode steps per layout")
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
-    cpu = torch.device("cpu")
-    comms = [EmulatedCommunicator(get_link("pcie-no-p2p"), 4, cpu, scale=1e-9) for _ in LAYOUTS]
-    configs = [get_preset("llama-160m").replace(layout=layout) for layout in LAYOUTS]
-    owner = build_model(configs[0], comms[0], cpu)
-    init_local_shard(owner, seed=0)
-    models = [owner] + [share_weights(c, comm, owner) for c, comm in zip(configs[1:], comms[1:])]
-    token = torch.zeros(1, 1, dtype=torch.long)
-    step_s: list[list[float]] = [[] for _ in LAYOUTS]
-    order = random.Random(0)
-    with torch.inference_mode():
-        for model in models:
-            model.eval().setup_caches(1, 128)
-            for pos in range(5):  # warm-up
-                model(token, torch.tensor([pos]))
-        for step in range(args.steps):
-            turns = list(range(len(LAYOUTS)))
-            order.shuffle(turns)
-            for j in turns:
-                position = torch.tensor([5 + step % 100])
-                start = time.perf_counter()
-                models[j](token, position)
-                step_s[j].append(time.perf_counter() - start)
-
-    all_reduces = 2 * configs[0].n_layers
+    _, _, step_s = decode_in_turns(LAYOUTS, "pcie-no-p2p", _NO_DURATION, args.steps)
+    all_reduces = 2 * get_preset("llama-160m").n_layers
     upper = step_s[LAYOUTS.index("upper-bound")]
     print(f"llama-160m TP-4 shard, emulated link of no duration, {args.steps} decode steps per layout")
     for layout, times in zip(LAYOUTS, step_s):

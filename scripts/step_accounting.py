@@ -16,15 +16,13 @@ product: the first runs slower here, which is most of standard's rest (24 waits 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
 import torch
 
-from ladder.config import get_preset
-from ladder.interconnect import EmulatedCommunicator, get_link, wait_until
-from ladder.weights import build_model, init_local_shard, share_weights
+from decode_in_turns import decode_in_turns  # scripts/, on sys.path when a script runs
+from ladder.interconnect import wait_until
 
 LAYOUTS = ("standard", "ladder", "upper-bound")
 
@@ -35,32 +33,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=10.0, help="link dilation (--link-scale)")
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
-    cpu = torch.device("cpu")
-    link = get_link("pcie-no-p2p")
-    comms = [EmulatedCommunicator(link, 4, cpu, args.scale) for _ in LAYOUTS]
-    configs = [get_preset("llama-160m").replace(layout=layout) for layout in LAYOUTS]
-    owner = build_model(configs[0], comms[0], cpu)
-    init_local_shard(owner, seed=0)
-    models = [owner] + [share_weights(c, comm, owner) for c, comm in zip(configs[1:], comms[1:])]
-    token = torch.zeros(1, 1, dtype=torch.long)
-    step_s: list[list[float]] = [[] for _ in LAYOUTS]
-    order = random.Random(0)
-    with torch.inference_mode():
-        for model in models:
-            model.eval().setup_caches(1, 128)
-            for pos in range(5):  # warm-up
-                model(token, torch.tensor([pos]))
-        for comm in comms:
-            comm.reset_counters()
-        for step in range(args.steps):
-            turns = list(range(len(LAYOUTS)))
-            order.shuffle(turns)
-            for j in turns:
-                start = time.perf_counter()
-                models[j](token, torch.tensor([5 + step % 100]))
-                step_s[j].append(time.perf_counter() - start)
-
+    comms, models, step_s = decode_in_turns(LAYOUTS, "pcie-no-p2p", args.scale, args.steps)
     compute_ms = statistics.median(step_s[LAYOUTS.index("upper-bound")]) * 1e3
     print(f"llama-160m TP-4 shard, pcie-no-p2p x{args.scale:g}, {args.steps} decode steps per layout "
           f"(medians, ms per step)")
@@ -76,7 +49,7 @@ def main() -> None:
     ladder = comms[LAYOUTS.index("ladder")]
     print(f"hidden, from these step times: {hidden:.2f}; inside the run: {1 - ladder.exposed_s / ladder.modelled_s:.2f}")
     transfer_s = ladder.modelled_s / ladder.count
-    after_wait, after_product = product_times_us(owner.layers[0].feed_forward.w13.weight, transfer_s)
+    after_wait, after_product = product_times_us(models[0].layers[0].feed_forward.w13.weight, transfer_s)
     print(f"one matrix product (w13 of a layer, batch 1): {after_wait:.0f} us right after a {transfer_s * 1e6:.0f} us "
           f"wait, {after_product:.0f} us right after another product (medians of 1000)")
 
