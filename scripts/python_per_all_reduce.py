@@ -16,7 +16,6 @@ import argparse
 import statistics
 
 from decode_in_turns import decode_in_turns  # scripts/, on sys.path when a script runs
-from ladder.config import get_preset
 
 LAYOUTS = ("ladder", "upper-bound", "standard")
 _NO_DURATION = 1e-9  # the link's dilation: every wait is nothing
@@ -27,8 +26,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="decode steps per layout")
     args = parser.parse_args()
 
-    _, _, step_s = decode_in_turns(LAYOUTS, "pcie-no-p2p", _NO_DURATION, args.steps)
-    all_reduces = 2 * get_preset("llama-160m").n_layers
+    _, models, step_s = decode_in_turns(LAYOUTS, "pcie-no-p2p", _NO_DURATION, args.steps)
+    all_reduces = 2 * models[0].config.n_layers
     upper = step_s[LAYOUTS.index("upper-bound")]
     print(f"llama-160m TP-4 shard, emulated link of no duration, {args.steps} decode steps per layout")
     for layout, times in zip(LAYOUTS, step_s):
