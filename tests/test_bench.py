@@ -16,7 +16,7 @@ from ladder import results
 from ladder.bench import BenchPoint, measured_already, run_sweep, sweep_points
 from ladder.errors import LadderError
 from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
-from ladder.results import format_summary, read_results, summarise
+from ladder.results import failures, format_summary, read_results, summarise
 
 from helpers import ladder_cli, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
@@ -306,6 +306,22 @@ def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path):
     assert result.returncode == 1
     assert "0 configurations measured, 1 failed" in result.stdout
     assert read_results(out)[0]["status"] == "failed"
+    summary = ladder_cli("bench", "summary", str(out))
+    assert summary.returncode == 2
+    assert summary.stderr.strip() == f"ladder: error: no configuration in {out} was measured"
+    assert summary.stdout.startswith("failed: tiny real tp=1 batch 100000000 (standard): ") and "GiB" in summary.stdout
+
+
+def test_the_summary_lists_the_failures_no_later_record_measured():
+    def record(layout, batch, status="ok"):
+        return {"status": status, "preset": "tiny", "interconnect": "real", "emulated": False, "tp": 2,
+                "batch_size": batch, "prompt_len": 8, "gen_len": 4, "layout": layout, "round": 0,
+                "tokens_per_s": 10.0, "tokens_per_s_runs": [10.0]} | ({} if status == "ok" else {"error": "too big"})
+
+    records = [record("standard", 64, "failed"), record("ladder", 64, "failed"), record("ladder", 4, "failed"),
+               record("standard", 4), record("ladder", 4)]  # batch 4's ladder measured again, successfully
+    assert failures(records) == ["failed: tiny real tp=2 batch 64 (standard, ladder): too big"]
+    assert failures(records + [record("standard", 64), record("ladder", 64)]) == []
 
 
 def test_failed_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):

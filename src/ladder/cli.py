@@ -352,12 +352,14 @@ def announce_sweep(args: argparse.Namespace, n_points: int, links: list[Any], ou
 def report_sweep(records: list[dict[str, Any]], done: dict[str, dict[str, Any]], out: Path) -> int:
     """Print the summary table, the counts and each trace's overlap; 1 when nothing could be measured."""
     from ladder.bench import point_key
-    from ladder.results import format_summary, summarise
+    from ladder.results import failures, format_summary, summarise
     from ladder.distributed import print_rank0
 
     if not records:
         return 0
     print_rank0(format_summary(summarise(records)))
+    for line in failures(records):
+        print_rank0(line)
     failed = sum(r["status"] != "ok" for r in records)
     reused = sum(point_key(r, r.get("round", 0)) in done for r in records)
     measured = len(records) - failed - reused
@@ -374,10 +376,16 @@ def report_sweep(records: list[dict[str, Any]], done: dict[str, dict[str, Any]],
 
 
 def cmd_bench_summary(args: argparse.Namespace) -> int:
-    from ladder.results import format_summary, read_results, summarise
+    from ladder.results import failures, format_summary, read_results, summarise
 
     records = [r for path in args.results for r in read_results(Path(path))]
-    print(format_summary(summarise(records), markdown=args.markdown))
+    rows = summarise(records)
+    if rows:
+        print(format_summary(rows, markdown=args.markdown))
+    for line in failures(records):
+        print(f"\n{line}" if args.markdown else line)  # a paragraph each below a Markdown table
+    if not rows:
+        raise LadderError(f"no configuration in {', '.join(args.results)} was measured")
     return 0
 
 
@@ -638,7 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp_.add_argument("--out", default="loss.png", help="the picture to write")
     tp_.set_defaults(func=cmd_train_plot)
 
-    bs = sub.add_parser("bench-summary", help="the speedup table of results files (also: ladder bench summary FILE...)")
+    bs = sub.add_parser("bench-summary", help="the speedup table of results files, then the configurations that "
+                                              "failed (also: ladder bench summary FILE...)")
     bs.add_argument("results", nargs="+", help="results files; the runs of a configuration are pooled across them")
     bs.add_argument("--markdown", action="store_true", help="a Markdown table")
     bs.set_defaults(func=cmd_bench_summary)

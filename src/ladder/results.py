@@ -102,6 +102,23 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def failures(records: Sequence[dict[str, Any]]) -> list[str]:
+    """A line for each failed configuration no later record measured (what the summary table lacks, and
+    why), its layouts that failed alike on one line."""
+    measured = {(group_key(r), layout_label(r), r.get("round", 0)) for r in records if r.get("status") == "ok"}
+    failed: dict[tuple, list[str]] = {}
+    for r in records:
+        if r.get("status") == "ok" or (group_key(r), layout_label(r), r.get("round", 0)) in measured:
+            continue
+        where = (r["preset"], link_label(r), decode_step(r), r["tp"], r["batch_size"],
+                 r.get("error", "no reason given"))
+        if layout_label(r) not in failed.setdefault(where, []):
+            failed[where].append(layout_label(r))
+    return [f"failed: {preset} {link}{'' if step == 'eager' else f', {step}'} tp={tp} batch {batch} "
+            f"({', '.join(layouts)}): {error}"
+            for (preset, link, step, tp, batch, error), layouts in failed.items()]
+
+
 def pooled_tokens_per_s(records: Sequence[dict[str, Any]]) -> float:
     """The median over every measured run of records of one layout and configuration."""
     return statistics.median(x for r in records for x in r.get("tokens_per_s_runs") or [r["tokens_per_s"]])
