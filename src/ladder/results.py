@@ -105,18 +105,20 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def failures(records: Sequence[dict[str, Any]]) -> list[str]:
     """A line for each failed configuration no later record measured (what the summary table lacks, and
     why), its layouts that failed alike on one line."""
-    measured = {(group_key(r), layout_label(r), r.get("round", 0)) for r in records if r.get("status") == "ok"}
+    def measurement(r: dict[str, Any]) -> tuple:
+        return group_key(r), layout_label(r), r.get("round", 0)
+
+    measured = {measurement(r) for r in records if r.get("status") == "ok"}
     failed: dict[tuple, list[str]] = {}
     for r in records:
-        if r.get("status") == "ok" or (group_key(r), layout_label(r), r.get("round", 0)) in measured:
+        if r.get("status") == "ok" or measurement(r) in measured:
             continue
-        where = (r["preset"], link_label(r), decode_step(r), r["tp"], r["batch_size"],
+        where = (r["preset"], link_and_step(link_label(r), decode_step(r)), r["tp"], r["batch_size"],
                  r.get("error", "no reason given"))
         if layout_label(r) not in failed.setdefault(where, []):
             failed[where].append(layout_label(r))
-    return [f"failed: {preset} {link}{'' if step == 'eager' else f', {step}'} tp={tp} batch {batch} "
-            f"({', '.join(layouts)}): {error}"
-            for (preset, link, step, tp, batch, error), layouts in failed.items()]
+    return [f"failed: {preset} {link} tp={tp} batch {batch} ({', '.join(layouts)}): {error}"
+            for (preset, link, tp, batch, error), layouts in failed.items()]
 
 
 def pooled_tokens_per_s(records: Sequence[dict[str, Any]]) -> float:
@@ -236,8 +238,12 @@ def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
     rounds = r.get("hidden_rounds") or []
     spread = f"{min(rounds):.2f}..{max(rounds):.2f}" if rounds else ""
     in_run = f"{r['hidden_in_run']:.2f}" if r.get("hidden_in_run") is not None else ""
-    step = r.get("decode_step", "eager")
-    return r["link"] + ("" if step == "eager" else f", {step}"), speed, hidden, confidence, spread, in_run
+    return link_and_step(r["link"], r.get("decode_step", "eager")), speed, hidden, confidence, spread, in_run
+
+
+def link_and_step(link: str, step: str) -> str:
+    """The interconnect column: the link, and how the decode step ran unless eagerly."""
+    return link if step == "eager" else f"{link}, {step}"
 
 
 def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
