@@ -715,6 +715,14 @@ def measured_already(out: Path) -> dict[str, dict[str, Any]]:
     return {point_key(r, r.get("round", 0)): r for r in read_results(out) if r.get("status") == "ok"}
 
 
+def check_repetition(rounds: int, interleave: str | None) -> None:
+    """Refuse `--rounds` and `--interleave` values a sweep cannot run, before it is announced."""
+    if rounds < 1:
+        raise LadderError(f"--rounds must be at least 1, got {rounds}")
+    if interleave not in (None, *INTERLEAVE_MODES):
+        raise LadderError(f"--interleave takes {' or '.join(INTERLEAVE_MODES)}, not {interleave!r}")
+
+
 def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds: int = 1,
               interleave: str | None = None, done: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Measure every point, `rounds` times over: round-robin, so that a slow spell of a shared machine
@@ -729,10 +737,7 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
     from ladder.distributed import is_rank0, shutdown_distributed
     from ladder.launch import under_torchrun
 
-    if rounds < 1:
-        raise LadderError(f"--rounds must be at least 1, got {rounds}")
-    if interleave not in (None, *INTERLEAVE_MODES):
-        raise LadderError(f"--interleave takes {' or '.join(INTERLEAVE_MODES)}, not {interleave!r}")
+    check_repetition(rounds, interleave)
     is_main = is_rank0()
     if is_main:
         check_results_file(out)

@@ -285,13 +285,13 @@ def parse_list(text: str, kind: type = str, flag: str = "") -> list:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ladder.bench import (check_comm_share, check_results_file, dilate_to_share, measured_already, run_sweep,
-                              sweep_points)
+    from ladder.bench import (check_comm_share, check_repetition, check_results_file, dilate_to_share,
+                              measured_already, run_sweep, sweep_points)
     from ladder.distributed import print_rank0
-    from ladder.interconnect import get_link
+    from ladder.interconnect import get_links
 
-    links = [get_link(name, args.link_latency_us, args.link_bandwidth_gbps)
-             for name in parse_list(args.interconnect, str, "--interconnect")]
+    links = get_links(parse_list(args.interconnect, str, "--interconnect"), args.link_latency_us,
+                      args.link_bandwidth_gbps)
     layouts = args.layouts
     if layouts is None:
         # A checkpoint with two norms per layer cannot become parallel (ladder convert refuses it too).
@@ -307,6 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         compile_layers=args.compile_layers, seed=args.seed,
         link_scale=args.link_scale, ladder_layers=args.ladder_layers, checkpoint=args.model,
         profile_dir=args.profile, profile_tokens=args.profile_tokens)
+    check_repetition(args.rounds, args.interleave)
     if args.comm_share is not None:
         check_comm_share(points, args.comm_share)
     out = Path(args.out)
@@ -408,7 +409,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     from ladder.costmodel import (UNSEEN_SETTINGS, fitted_constants, get_gpu, predict_table, stored_accuracy,
                                   validate, validate_unseen)
-    from ladder.interconnect import get_link
+    from ladder.interconnect import get_links
 
     if args.validate:
         constants = fitted_constants()
@@ -419,8 +420,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         else:
             print(format_validation(held_out, list(unseen.values())))
         return 0
-    links = [get_link(name, args.link_latency_us, args.link_bandwidth_gbps)
-             for name in parse_list(args.interconnect, str, "--interconnect")]
+    links = get_links(parse_list(args.interconnect, str, "--interconnect"), args.link_latency_us,
+                      args.link_bandwidth_gbps)
     if None in links:
         raise LadderError("ladder predict needs a link model: --interconnect nvlink-h100, pcie-no-p2p, ... or custom")
     gpu, tps = get_gpu(args.gpu), parse_list(args.tp, int, "--tp")

@@ -26,6 +26,7 @@ import functools
 import itertools
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from time import perf_counter
 
@@ -129,14 +130,17 @@ def link_presets() -> dict[str, LinkModel]:
 
 
 def get_link(name: str, latency_us: float | None = None, bandwidth_gbps: float | None = None) -> LinkModel | None:
-    """The link model for `--interconnect`: None for `real`, a preset, or `custom` from the two numbers."""
+    """The link model for `--interconnect`: None for `real`, a preset (its numbers overridden where
+    given), or `custom` from the two numbers."""
+    if latency_us is not None and latency_us < 0:
+        raise LadderError(f"--link-latency-us must be >= 0, got {latency_us:g}")
+    if bandwidth_gbps is not None and bandwidth_gbps <= 0:
+        raise LadderError(f"--link-bandwidth-gbps must be > 0, got {bandwidth_gbps:g}")
     if name == "real":
         return None
     if name == "custom":
         if latency_us is None or bandwidth_gbps is None:
             raise LadderError("--interconnect custom needs --link-latency-us and --link-bandwidth-gbps")
-        if latency_us < 0 or bandwidth_gbps <= 0:
-            raise LadderError(f"link latency must be >= 0 and bandwidth > 0, got {latency_us} us, {bandwidth_gbps} GB/s")
         return LinkModel("custom", latency_us, bandwidth_gbps, source="given on the command line")
     presets = link_presets()
     if name not in presets:
@@ -148,6 +152,16 @@ def get_link(name: str, latency_us: float | None = None, bandwidth_gbps: float |
             latency_us=latency_us if latency_us is not None else link.latency_us,
             bandwidth_gbps=bandwidth_gbps if bandwidth_gbps is not None else link.bandwidth_gbps)
     return link
+
+
+def get_links(names: Sequence[str], latency_us: float | None, bandwidth_gbps: float | None) -> list[LinkModel | None]:
+    """`get_link` for each name of `--interconnect`; link numbers with only `real` named would be
+    silently ignored, so they are refused."""
+    links = [get_link(name, latency_us, bandwidth_gbps) for name in names]
+    if (latency_us is not None or bandwidth_gbps is not None) and all(link is None for link in links):
+        raise LadderError("--link-latency-us and --link-bandwidth-gbps describe an emulated link, and "
+                          "--interconnect real has none: add --interconnect custom (or a preset to override)")
+    return links
 
 
 class _DeadlineHandle:
@@ -338,4 +352,4 @@ def _sleep_cycles_per_second(device: torch.device) -> float:
     return cycles / (start.elapsed_time(end) / 1e3)
 
 
-__all__ = ["EmulatedCommunicator", "LinkModel", "get_link", "link_presets", "wait_until"]
+__all__ = ["EmulatedCommunicator", "LinkModel", "get_link", "get_links", "link_presets", "wait_until"]
