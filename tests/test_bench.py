@@ -299,6 +299,19 @@ def test_sweep_of_a_real_checkpoint(tiny_hf, tmp_path):
         assert r["model"]["dim"] == 64 and r["model"]["n_layers"] == 3 and r["model"]["vocab_size"] == 256
 
 
+def test_a_hybrid_sweep_compares_ladder_on_the_last_layers_with_whole_baselines(tmp_path):
+    out = tmp_path / "r.jsonl"
+    result = ladder_cli("bench", "--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--ladder-layers", "2",
+                        "--tp", "2", "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "2", "--runs", "1",
+                        "--interconnect", "pcie-no-p2p", "--no-progress", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert {r["layout"]: r["ladder_layers"] for r in read_results(out)} == {
+        "standard": None, "ladder": 2, "upper-bound": None}
+    hybrid = next(r for r in summarise(read_results(out)) if r["layout"] == "ladder[2]")
+    assert hybrid["speedup"] is not None and hybrid["hidden"] is not None
+    assert "ladder[2]" in result.stdout
+
+
 def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path):
     out = tmp_path / "r.jsonl"
     result = ladder_cli("bench", "--preset", "tiny", "--layouts", "standard", "--tp", "1",
@@ -403,6 +416,11 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     (["--interconnect", "custom", "--link-latency-us", "-3", "--link-bandwidth-gbps", "10"],
      "--link-latency-us must be >= 0, got -3"),
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--tp", "1,2,1"], "--tp lists 1 twice"),
+    (["--layouts", "ladder,standard,ladder"], "--layouts lists ladder twice"),
+    (["--ladder-layers", "1", "--layouts", "standard,upper-bound"],
+     "--ladder-layers 1 makes the ladder layout hybrid, and --layouts standard,upper-bound has no ladder"),
+    (["--profile", "/dev/null"], "--profile /dev/null is a file; name a folder for the traces"),
     (["--device", "tpu"], "unknown device 'tpu'; use cpu, cuda or auto"),
     (["--interconnect", "pcie-no-p2p", "--comm-share", "1.5"], "--comm-share is a share of the step, between 0 and 1"),
     (["--comm-share", "0.25"], "--comm-share dilates an emulated link, and --interconnect real has none"),

@@ -592,7 +592,13 @@ def git_commit(package_dir: Path = Path(__file__).parent) -> str | None:
 def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[int], batch_sizes: Sequence[int],
                  links: Sequence[LinkModel | None], **common: Any) -> list[BenchPoint]:
     """Every combination, validated up front (unknown names and impossible TP degrees fail at once)."""
-    points = [BenchPoint(preset=p, layout=layout, tp=tp, batch_size=b, link=link, **common)
+    ladder_layers = common.pop("ladder_layers", None)
+    if ladder_layers is not None and "ladder" not in layouts:
+        raise LadderError(f"--ladder-layers {ladder_layers} makes the ladder layout hybrid, and --layouts "
+                          f"{','.join(layouts)} has no ladder")
+    # Hybrid is a kind of ladder: the other layouts stay whole, the baselines it is compared with.
+    points = [BenchPoint(preset=p, layout=layout, tp=tp, batch_size=b, link=link,
+                         ladder_layers=ladder_layers if layout == "ladder" else None, **common)
               for p in presets for link in links for tp in tps for b in batch_sizes for layout in layouts]
     from ladder.distributed import pick_device
     from ladder.launch import check_launchable, under_torchrun
@@ -694,6 +700,13 @@ def check_results_file(out: Path) -> None:
     check_creatable(out)
     if not os.access(out if out.exists() else out.parent, os.W_OK):  # the file is made by the first result
         raise LadderError(f"cannot write results to {out}: permission denied")
+
+
+def check_trace_folder(folder: Path) -> None:
+    """Make `--profile`'s folder before measuring, or say in one line why it cannot be one."""
+    if folder.exists() and not folder.is_dir():
+        raise LadderError(f"--profile {folder} is a file; name a folder for the traces")
+    check_creatable(folder / "trace.json.gz")
 
 
 def point_key(description: dict[str, Any], round_: int) -> str:

@@ -279,14 +279,17 @@ def parse_list(text: str, kind: type = str, flag: str = "") -> list:
         raise LadderError(f"{flag} expects a comma-separated list of {kind.__name__}s, got {text!r}") from None
     if not items:
         raise LadderError(f"{flag} is empty")
+    twice = next((x for i, x in enumerate(items) if x in items[:i]), None)
+    if twice is not None:  # every list is a sweep axis: a repeat would measure a configuration twice over
+        raise LadderError(f"{flag} lists {twice} twice")
     return items
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ladder.bench import (check_comm_share, check_repetition, check_results_file, dilate_to_share,
-                              measured_already, run_sweep, sweep_points)
+    from ladder.bench import (check_comm_share, check_repetition, check_results_file, check_trace_folder,
+                              dilate_to_share, measured_already, run_sweep, sweep_points)
     from ladder.distributed import print_rank0
     from ladder.interconnect import get_links
 
@@ -313,6 +316,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if is_rank0():  # before anything is announced or measured (--comm-share times a step first)
         check_results_file(out)
+    if args.profile is not None:  # every rank writes its own trace
+        check_trace_folder(Path(args.profile))
     announce_sweep(args, len(points), links, out)
     done = measured_already(out) if args.resume else {}
     if args.comm_share is not None:
