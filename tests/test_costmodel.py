@@ -99,6 +99,24 @@ def test_predicted_hidden_fraction_is_the_papers_definition_on_ladder_rows_only(
         assert by[(b, "ladder")]["tokens_per_s_per_gpu"] == pytest.approx(by[(b, "ladder")]["tokens_per_s"] / 8)
 
 
+def test_hybrid_lies_between_standard_and_ladder_and_is_each_at_its_ends():
+    def ladder_row(n):
+        rows = predict_table("llama-3-70b", GPUS["h100"], get_link("pcie-no-p2p"), 8, [1, 64],
+                             ["standard", "ladder"], 1024, 512, ladder_layers=n)
+        return {r["batch_size"]: r for r in rows if r["layout"] == "ladder"}
+
+    whole = {r["batch_size"]: r for r in predict_table("llama-3-70b", GPUS["h100"], get_link("pcie-no-p2p"), 8,
+                                                        [1, 64], ["ladder"], 1024, 512)}
+    for b in (1, 64):
+        assert ladder_row(0)[b]["speedup"] == pytest.approx(1.0, rel=1e-12)  # N=0 is standard
+        assert ladder_row(80)[b]["tokens_per_s"] == pytest.approx(whole[b]["tokens_per_s"], rel=1e-12)
+        speedups = [ladder_row(n)[b]["speedup"] for n in (0, 20, 40, 60, 79)]
+        assert speedups == sorted(speedups) and speedups[0] < speedups[-1]  # every ladder layer hides more
+        assert ladder_row(40)[b]["ladder_layers"] == 40 and whole[b]["ladder_layers"] is None
+    out = ladder_cli("predict", "--interconnect", "pcie-no-p2p", "--batch-sizes", "1", "--ladder-layers", "40")
+    assert out.returncode == 0 and "ladder[40]" in out.stdout and "ladder on the last 40 layers" in out.stdout
+
+
 def test_what_fits_in_memory_is_what_the_paper_could_run():
     """The paper's 70B table has no TP-1 rows and stops at batch 4 on TP 2: those are the configurations
     whose one rank needs more than the H100's usable memory by `ladder bench`'s estimate."""
@@ -149,6 +167,9 @@ def test_validate_json_is_the_report_of_the_api():
     (["--gpu", "b300"], "unknown gpu 'b300'; known: h100"),
     (["--interconnect", "real"], "ladder predict needs a link model"),
     (["--layouts", "ladder,desync"], "the cost model knows standard, parallel, ladder and upper-bound, not 'desync'"),
+    (["--ladder-layers", "81"], "--ladder-layers must be between 0 and llama-3-70b's 80 layers, got 81"),
+    (["--ladder-layers", "40", "--layouts", "standard,parallel"], "--ladder-layers 40 makes the ladder layout hybrid"),
+    (["--interconnect", "nvlink-h100", "--link-bandwidth-gbps", "0"], "--link-bandwidth-gbps must be > 0, got 0"),
 ])
 def test_predict_bad_input_is_one_line(args, message):
     out = ladder_cli("predict", "--preset", "llama-3-70b", "--interconnect", "nvlink-h100", "--tp", "8", *args)

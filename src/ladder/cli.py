@@ -433,13 +433,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
     batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
     layouts = parse_list(args.layouts, str, "--layouts")
     rows = [row for link in links for tp in tps
-            for row in predict_table(args.preset, gpu, link, tp, batch_sizes, layouts, args.prompt_len, args.gen_len)]
+            for row in predict_table(args.preset, gpu, link, tp, batch_sizes, layouts, args.prompt_len, args.gen_len,
+                                     ladder_layers=args.ladder_layers)]
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
+    hybrid = "" if args.ladder_layers is None else f", ladder[{args.ladder_layers}]: ladder on the last {args.ladder_layers} layers"
     print(f"predicted (cost model, not measured): {args.preset} on {args.gpu}, prompt {args.prompt_len}, "
-          f"{args.gen_len} new tokens")
+          f"{args.gen_len} new tokens{hybrid}")
     print(format_predictions(rows))
     if not all(r["fits"] for r in rows):
         from ladder.bench import MEMORY_USABLE
@@ -480,8 +482,10 @@ def format_predictions(rows: list[dict[str, Any]]) -> str:
     """The predictions as a table; `hidden`: the share of standard's communication ladder hides."""
     lines = [f"{'interconnect':<15}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'per GPU':>9}"
              f"{'speedup':>9}{'hidden':>8}{'GiB/GPU':>9}"]
+    from ladder.results import layout_label
+
     for r in rows:
-        where = f"{r['interconnect']:<15}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
+        where = f"{r['interconnect']:<15}{r['tp']:>3}{r['batch_size']:>6}  {layout_label(r):<12}"
         memory = f"{r['memory_bytes_per_gpu'] / 2**30:>9.1f}"
         if not r["fits"]:
             lines.append(f"{where}{'  does not fit':<36}{'':>8}{memory}")
@@ -631,6 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tp", default="8", help="comma-separated tensor-parallel degrees")
     pr.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated batch sizes")
     pr.add_argument("--layouts", default="standard,parallel,ladder,upper-bound", help="comma-separated layouts")
+    pr.add_argument("--ladder-layers", type=int, metavar="N", help="for the ladder layout: ladder on the last N layers")
     pr.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence")
     pr.add_argument("--gen-len", type=int, default=512, help="new tokens per sequence")
     pr.add_argument("--json", action="store_true",

@@ -23,7 +23,7 @@ import csv
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -84,13 +84,14 @@ class Workload:
     prompt_len: int = 1024
     gen_len: int = 512
     dtype_bytes: int = 2
+    ladder_layers: int | None = None  # the ladder layout: on the last N layers only (hybrid); None: all
 
 
 def _t(x: float | torch.Tensor) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
 
 
-MODELLED_LAYOUTS = ("standard", "parallel", "upper-bound", "ladder")  # (desync and hybrid: not modelled)
+MODELLED_LAYOUTS = ("standard", "parallel", "upper-bound", "ladder")  # (and hybrid, as ladder; desync is not modelled)
 
 
 def interference(k: dict[str, torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
@@ -126,6 +127,7 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
 
     tp, b = column(w.tp for w in workloads), column(w.batch_size for w in workloads)
     prompt_len, gen_len = column(w.prompt_len for w in workloads), column(w.gen_len for w in workloads)
+    ladder_n = column(c.n_layers if w.ladder_layers is None else w.ladder_layers for w in workloads)
     # the link is fixed (not fitted): its durations are numbers per row
     prefill_all_reduce = column(link.all_reduce_s(w.batch_size * w.prompt_len * c.dim * by, w.tp)
                                 for w, link in zip(workloads, links, strict=True))
@@ -148,11 +150,15 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
 
     def combine(c_attn, c_mlp, a):  # each row's layout
         L = c.n_layers
+        # Ladder: only the last all-reduce is exposed. Hybrid (ladder on the last N layers): the standard
+        # layers pay theirs, but the first ladder attention overlaps the last standard MLP's all-reduce,
+        # which stands in for the exposed last one.
+        whole = (ladder_n == L).double()
         by_layout = {"standard": L * (c_attn + c_mlp + 2 * a),
                      "parallel": L * (c_attn + c_mlp - shared_norm_s + a),
                      "upper-bound": L * (c_attn + c_mlp),
-                     # (ladder: only the last all-reduce is exposed)
-                     "ladder": L * (overlapped(c_attn, a, rho) + overlapped(c_mlp, a, rho)) + a}
+                     "ladder": ((L - ladder_n) * (c_attn + c_mlp + 2 * a)
+                                + ladder_n * (overlapped(c_attn, a, rho) + overlapped(c_mlp, a, rho)) + whole * a)}
         return torch.stack([by_layout[name].expand(len(layouts)) for name in MODELLED_LAYOUTS]).gather(0, chosen)[0]
 
     # prefill: b * P tokens at once (compute-bound), causal attention over P
@@ -311,10 +317,11 @@ def stored_accuracy() -> str:
 
 def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: list[int],
                   layouts: list[str], prompt_len: int, gen_len: int,
-                  constants: CostConstants | None = None) -> list[dict[str, Any]]:
+                  constants: CostConstants | None = None, ladder_layers: int | None = None) -> list[dict[str, Any]]:
     """Predicted tokens/s for each (batch, layout): in all, per GPU, the speedup over standard and,
     for ladder, the share of standard's communication it hides (the paper's definition, as `ladder
-    bench` reports it). `memory_bytes_per_gpu` is `ladder bench`'s estimate of one rank's peak, and
+    bench` reports it). `ladder_layers`: ladder on the last N layers only (hybrid).
+    `memory_bytes_per_gpu` is `ladder bench`'s estimate of one rank's peak, and
     `fits` whether that stays within the share of the GPU's memory `ladder bench` allows itself: the
     roofline knows no memory limit, so a row that does not fit predicts a run that cannot happen."""
     from ladder.bench import estimate_memory_bytes, fits_in
@@ -325,18 +332,26 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     config.check_tp(tp)
     if min(batch_sizes) < 1 or prompt_len < 1 or gen_len < 1:
         raise LadderError("batch sizes, --prompt-len and --gen-len must be >= 1")
+    if ladder_layers is not None and "ladder" not in layouts:
+        raise LadderError(f"--ladder-layers {ladder_layers} makes the ladder layout hybrid, and --layouts "
+                          f"{','.join(layouts)} has no ladder")
+    if ladder_layers is not None and not 0 <= ladder_layers <= config.n_layers:
+        raise LadderError(f"--ladder-layers must be between 0 and {preset}'s {config.n_layers} layers, "
+                          f"got {ladder_layers}")
     rows = []
     for b in batch_sizes:
         w = Workload(config, tp, b, prompt_len, gen_len)
         memory = estimate_memory_bytes(config, tp, b, prompt_len, prompt_len + gen_len, w.dtype_bytes)
-        tps = {name: predict_tokens_per_s(w, name, gpu, link, constants)
+        tps = {name: predict_tokens_per_s(replace(w, ladder_layers=ladder_layers) if name == "ladder" else w,
+                                          name, gpu, link, constants)
                for name in dict.fromkeys([*layouts, "standard", "upper-bound"])}
         seconds = {name: 1 / value for name, value in tps.items()}  # per generated token: hidden's times
         for layout in layouts:
             hidden = (hidden_fraction(seconds["standard"], seconds[layout], seconds["upper-bound"])
                       if layout == "ladder" else None)
             rows.append({"preset": preset, "gpu": gpu.name, "interconnect": link.name, "tp": tp, "batch_size": b,
-                         "layout": layout, "tokens_per_s": tps[layout], "tokens_per_s_per_gpu": tps[layout] / tp,
+                         "layout": layout, "ladder_layers": ladder_layers if layout == "ladder" else None,
+                         "tokens_per_s": tps[layout], "tokens_per_s_per_gpu": tps[layout] / tp,
                          "speedup": tps[layout] / tps["standard"], "hidden": hidden, "memory_bytes_per_gpu": memory,
                          "fits": fits_in(memory, gpu.memory_bytes)})
     return rows
