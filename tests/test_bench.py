@@ -209,6 +209,29 @@ def test_a_link_dilated_to_a_share_is_one_link_across_batch_sizes_and_days():
     assert len(_pooled_points(fixed)) == 2  # a fixed dilation is a link of its own
 
 
+def test_each_hybrid_is_drawn_in_a_colour_of_its_own():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ladder.plots import _draw_speedup, _pooled_points
+
+    def record(layout, tokens_per_s, ladder_layers=None):
+        return {"status": "ok", "preset": "tiny", "interconnect": "pcie-no-p2p", "emulated": True, "tp": 2,
+                "batch_size": 1, "prompt_len": 8, "gen_len": 4, "layout": layout, "ladder_layers": ladder_layers,
+                "tokens_per_s": tokens_per_s, "env": {"device_name": "cpu"}}
+
+    records = [record("standard", 10.0), record("ladder", 13.0), record("ladder", 11.0, 1),
+               record("ladder", 12.0, 2), record("upper-bound", 14.0)]
+    [(panel, points)] = _pooled_points(records).items()
+    fig, ax = plt.subplots()
+    _draw_speedup(ax, panel, points)
+    colors = {line.get_label(): line.get_color() for line in ax.get_lines() if "tp=" in line.get_label()}
+    plt.close(fig)
+    assert set(colors) == {"ladder tp=2", "ladder[1] tp=2", "ladder[2] tp=2", "upper-bound tp=2"}
+    assert len(set(colors.values())) == 4
+
+
 def test_plot_files(sweep, tmp_path):
     out = ladder_cli("bench", "plot", str(sweep[0]), "--out-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr

@@ -67,8 +67,17 @@ def _pooled_points(ok: list[dict[str, Any]]) -> dict[Panel, list[_Point]]:
     return dict(sorted(panels.items()))
 
 
-def _color(layout: str) -> str | None:
-    return COLORS.get(layout.split("[")[0])
+HYBRID_COLORS = ["tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+
+
+def _palette(points: list[_Point]) -> dict[str, str | None]:
+    """A colour per layout of a panel: each its own, and hybrids (`ladder[N]`, by N) their own beside ladder's."""
+    layouts = {p.layout for p in points}
+    hybrids = sorted((layout for layout in layouts if layout.startswith("ladder[")),
+                     key=lambda layout: int(layout[len("ladder["):-1]))
+    colors: dict[str, str | None] = {layout: COLORS.get(layout) for layout in layouts}
+    colors.update({layout: HYBRID_COLORS[i % len(HYBRID_COLORS)] for i, layout in enumerate(hybrids)})
+    return colors
 
 
 def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, results_path: Path | None = None
@@ -102,11 +111,12 @@ def _line_style(points: list[_Point], tp: int) -> str:
 
 def _draw_throughput(ax: Any, panel: Panel, points: list[_Point]) -> None:
     """tokens/s vs batch, one line per (layout, tp)."""
+    color = _palette(points)
     for (layout, tp), series in _by_layout_and_tp(points).items():
-        ax.plot([p.batch_size for p in series], [p.tokens_per_s for p in series], marker="o", color=_color(layout),
+        ax.plot([p.batch_size for p in series], [p.tokens_per_s for p in series], marker="o", color=color[layout],
                 linestyle=_line_style(points, tp), label=f"{layout} tp={tp}")
         ax.scatter([p.batch_size for p in series for _ in p.records],
-                   [tps for p in series for tps, _ in p.records], color=_color(layout), s=10, alpha=0.3)
+                   [tps for p in series for tps, _ in p.records], color=color[layout], s=10, alpha=0.3)
     ax.set(yscale="log", xlabel="batch size", ylabel="tokens/s", title=_panel_title(panel))
     _plain_log_labels(ax.yaxis)
     _batch_axis(ax, [p.batch_size for p in points])
@@ -114,13 +124,14 @@ def _draw_throughput(ax: Any, panel: Panel, points: list[_Point]) -> None:
 
 def _draw_speedup(ax: Any, panel: Panel, points: list[_Point]) -> None:
     """Speedup over standard vs batch, at equal TP and batch."""
+    color = _palette(points)
     standard = {(p.tp, p.batch_size): p.tokens_per_s for p in points if p.layout == "standard"}
     for (layout, tp), series in _by_layout_and_tp(points).items():
         series = [p for p in series if (p.tp, p.batch_size) in standard]
         if layout == "standard" or not series:
             continue
         ax.plot([p.batch_size for p in series], [p.tokens_per_s / standard[(tp, p.batch_size)] for p in series],
-                marker="o", color=_color(layout), linestyle=_line_style(points, tp), label=f"{layout} tp={tp}")
+                marker="o", color=color[layout], linestyle=_line_style(points, tp), label=f"{layout} tp={tp}")
     ax.axhline(1.0, color="black", linewidth=0.8, label="standard")
     ax.set(xlabel="batch size", ylabel="speedup over standard", title=_panel_title(panel))
     _batch_axis(ax, [p.batch_size for p in points])
@@ -128,18 +139,19 @@ def _draw_speedup(ax: Any, panel: Panel, points: list[_Point]) -> None:
 
 def _draw_pareto(ax: Any, panel: Panel, points: list[_Point]) -> None:
     """Decode latency per token vs tokens/s per device across TP and batch, each layout's frontier drawn."""
+    color = _palette(points)
     for layout in sorted({p.layout for p in points}):
         mine = [p for p in points if p.layout == layout and p.latency_ms is not None]
         if not mine:
             continue
         xy = [(p.latency_ms, p.tokens_per_s / p.tp) for p in mine]
-        ax.scatter(*zip(*xy), color=_color(layout), s=22)
+        ax.scatter(*zip(*xy), color=color[layout], s=22)
         faint = [(latency, tps / p.tp) for p in mine for tps, latency in p.records if latency is not None]
-        ax.scatter(*zip(*faint), color=_color(layout), s=8, alpha=0.25)
+        ax.scatter(*zip(*faint), color=color[layout], s=8, alpha=0.25)
         for p, (x, y) in zip(mine, xy):
             ax.annotate(f"tp{p.tp} b{p.batch_size}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6,
-                        color=_color(layout))
-        ax.plot(*zip(*pareto_frontier(xy)), color=_color(layout), label=layout)
+                        color=color[layout])
+        ax.plot(*zip(*pareto_frontier(xy)), color=color[layout], label=layout)
     ax.set(xscale="log", yscale="log", xlabel="decode latency per token, p50 (ms)",
            ylabel="tokens/s per device", title=_panel_title(panel) + "\nPareto frontier over TP x batch")
     _plain_log_labels(ax.xaxis)
