@@ -138,6 +138,15 @@ def test_predict_marks_the_rows_that_do_not_fit():
     assert "does not fit: one rank needs more than 90% of one h100's 79.6 GiB" in out.stdout
 
 
+def test_a_six_digit_batch_keeps_its_own_column():
+    from ladder.cli import format_predictions
+
+    rows = predict_table("llama-3-70b", GPUS["h100"], get_link("nvlink-h100"), 8, [1, 100000], ["standard"],
+                         1024, 512)
+    lines = format_predictions(rows).splitlines()
+    assert [line.split()[1:3] for line in lines] == [["tp", "batch"], ["8", "1"], ["8", "100000"]]
+
+
 def test_every_prediction_states_the_validated_accuracy():
     out = ladder_cli("predict", "--preset", "llama-3-8b", "--interconnect", "nvlink-h100", "--tp", "8",
                      "--batch-sizes", "1")

@@ -480,12 +480,13 @@ def _validation_table(points: list[dict[str, Any]], with_layout: bool) -> list[s
 
 def format_predictions(rows: list[dict[str, Any]]) -> str:
     """The predictions as a table; `hidden`: the share of standard's communication ladder hides."""
-    lines = [f"{'interconnect':<15}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}{'per GPU':>9}"
-             f"{'speedup':>9}{'hidden':>8}{'GiB/GPU':>9}"]
-    from ladder.results import layout_label
+    from ladder.results import batch_column_width, layout_label
 
+    batch_width = batch_column_width(rows)
+    lines = [f"{'interconnect':<15}{'tp':>3}{'batch':>{batch_width}}  {'layout':<12}{'tokens/s':>10}{'per GPU':>9}"
+             f"{'speedup':>9}{'hidden':>8}{'GiB/GPU':>9}"]
     for r in rows:
-        where = f"{r['interconnect']:<15}{r['tp']:>3}{r['batch_size']:>6}  {layout_label(r):<12}"
+        where = f"{r['interconnect']:<15}{r['tp']:>3}{r['batch_size']:>{batch_width}}  {layout_label(r):<12}"
         memory = f"{r['memory_bytes_per_gpu'] / 2**30:>9.1f}"
         if not r["fits"]:
             lines.append(f"{where}{'  does not fit':<36}{'':>8}{memory}")

@@ -262,14 +262,20 @@ def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
         return "\n".join(lines + [f"\n{note}" for note in little_to_hide(rows)])
     width = max([14] + [len(r["preset"]) + 2 for r in rows])
     link_width = max([28] + [len(_summary_cells(r)[0]) + 1 for r in rows])
-    header = (f"{'preset':<{width}}{'interconnect':<{link_width}}{'tp':>3}{'batch':>6}  {'layout':<12}{'tokens/s':>10}"
+    batch_width = batch_column_width(rows)
+    header = (f"{'preset':<{width}}{'interconnect':<{link_width}}{'tp':>3}{'batch':>{batch_width}}  {'layout':<12}{'tokens/s':>10}"
               f"{'speedup':>9}{'hidden':>8}{'95% CI':>14}{'rounds':>14}{'in run':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         link, speed, hidden, confidence, spread, in_run = _summary_cells(r)
-        lines.append(f"{r['preset']:<{width}}{link:<{link_width}}{r['tp']:>3}{r['batch_size']:>6}  {r['layout']:<12}"
+        lines.append(f"{r['preset']:<{width}}{link:<{link_width}}{r['tp']:>3}{r['batch_size']:>{batch_width}}  {r['layout']:<12}"
                      f"{r['tokens_per_s']:>10.1f}{speed:>9}{hidden:>8}{confidence:>14}{spread:>14}{in_run:>8}")
     return "\n".join(lines + little_to_hide(rows))
+
+
+def batch_column_width(rows: list[dict[str, Any]]) -> int:
+    """Wide enough that the batch never runs into the TP column before it (a batch of 100000 would)."""
+    return max([6] + [len(str(r["batch_size"])) + 1 for r in rows])
 
 
 SMALL_COMMUNICATION_SHARE = 0.05  # of standard's time: below it, t_standard - t_upper_bound is within run-to-run noise
