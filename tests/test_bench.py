@@ -454,6 +454,7 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     (["--compile-layers", "--compile"], "--compile compiles the whole decode step and --compile-layers each layer"),
     (["--out", "."], "--out . is a folder; name a file in it, e.g. bench.jsonl"),
     (["--out", "/dev/null/r.jsonl"], "cannot write /dev/null/r.jsonl: /dev/null is a file, not a folder"),
+    (["--out", "/proc/r.jsonl"], "cannot write results to /proc/r.jsonl"),  # a folder no one, root included, writes in
 ])
 def test_bad_input_is_one_line(args, message, tmp_path):
     out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",

@@ -698,8 +698,14 @@ def check_results_file(out: Path) -> None:
     if out.is_dir():
         raise LadderError(f"--out {out} is a folder; name a file in it, e.g. {out / 'bench.jsonl'}")
     check_creatable(out)
-    if not os.access(out if out.exists() else out.parent, os.W_OK):  # the file is made by the first result
-        raise LadderError(f"cannot write results to {out}: permission denied")
+    existed = out.exists()
+    try:  # opening is the only true test: permission bits say nothing to root, or on /proc
+        with out.open("a"):
+            pass
+    except OSError as exc:
+        raise LadderError(f"cannot write results to {out}: {exc.strerror.lower()}") from None
+    if not existed:  # the file is made by the first result, so a sweep that measures nothing leaves none
+        out.unlink()
 
 
 def check_trace_folder(folder: Path) -> None:
