@@ -240,6 +240,20 @@ def test_plot_files(sweep, tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_a_sweep_of_standard_alone_draws_no_empty_speedup_picture(tmp_path):
+    from ladder.plots import plot_bench
+
+    records = [{"status": "ok", "preset": "tiny", "interconnect": "real", "emulated": False, "tp": 1,
+                "batch_size": batch, "prompt_len": 8, "gen_len": 4, "layout": "standard", "tokens_per_s": 10.0 * batch,
+                "decode_token_latency_ms": {"p50": 5.0}, "env": {"device_name": "cpu"}} for batch in (1, 2)]
+    paths, not_drawn = plot_bench(records, tmp_path)
+    assert [p.name for p in paths] == ["throughput.png", "pareto.png"]
+    assert not_drawn == ["speedup.png not drawn: no layout was measured beside standard at the same TP and batch"]
+    ladder = [r | {"layout": "ladder", "tokens_per_s": 12.0} for r in records]
+    paths, not_drawn = plot_bench(records + ladder, tmp_path)
+    assert [p.name for p in paths] == ["throughput.png", "speedup.png", "pareto.png"] and not not_drawn
+
+
 # Waits are sleeps on a real clock: a wait overshoots by scheduler latency (tens of microseconds on an
 # idle machine, ~2 ms seen on a fully loaded 2-core box, once 8 ms), never undershoots. So each check
 # takes the fastest of three tries (noise only adds), with 10 % + 2 ms of slack on waits of ~30 ms,

@@ -402,8 +402,8 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
     from ladder.plots import plot_bench
 
     records = read_results(Path(args.results))
-    for path in plot_bench(records, Path(args.out_dir) if args.out_dir else None, Path(args.results)):
-        print(path)
+    paths, not_drawn = plot_bench(records, Path(args.out_dir) if args.out_dir else None, Path(args.results))
+    print("\n".join(map(str, paths + not_drawn)))
     return 0
 
 

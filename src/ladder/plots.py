@@ -81,8 +81,9 @@ def _palette(points: list[_Point]) -> dict[str, str | None]:
 
 
 def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, results_path: Path | None = None
-               ) -> list[Path]:
-    """Three PNGs: tokens/s vs batch, speedup over standard vs batch, latency-vs-throughput Pareto.
+               ) -> tuple[list[Path], list[str]]:
+    """Three PNGs: tokens/s vs batch, speedup over standard vs batch, latency-vs-throughput Pareto; and a
+    line for each that was not drawn (the speedup needs standard and another layout at equal TP and batch).
     Lines join pooled values; faint dots are the records pooled (rounds of `--rounds`, sweeps run again).
     One panel per model shape, interconnect, lengths, device and decode step (`Panel`)."""
     ok = [r for r in records if r.get("status") == "ok"]
@@ -92,16 +93,20 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     check_creatable(out_dir / "throughput.png")
     plt = _pyplot()
     panels = _pooled_points(ok)
+    pictures = [("throughput.png", _draw_throughput), ("speedup.png", _draw_speedup), ("pareto.png", _draw_pareto)]
+    not_drawn = []
+    if not any(_speedups(points) for points in panels.values()):
+        pictures.pop(1)
+        not_drawn.append("speedup.png not drawn: no layout was measured beside standard at the same TP and batch")
     paths = []
-    for name, draw in (("throughput.png", _draw_throughput), ("speedup.png", _draw_speedup),
-                       ("pareto.png", _draw_pareto)):
+    for name, draw in pictures:
         fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
         for ax, (panel, points) in zip(axes[0], panels.items()):
             draw(ax, panel, points)
             ax.legend(fontsize=7)
         fig.tight_layout()
         paths.append(_save(fig, out_dir / name, plt))
-    return paths
+    return paths, not_drawn
 
 
 def _line_style(points: list[_Point], tp: int) -> str:
@@ -122,16 +127,24 @@ def _draw_throughput(ax: Any, panel: Panel, points: list[_Point]) -> None:
     _batch_axis(ax, [p.batch_size for p in points])
 
 
+def _speedups(points: list[_Point]) -> dict[tuple[str, int], list[tuple[int, float]]]:
+    """(batch, speedup over standard at equal TP and batch) by (layout, tp), for every layout but standard."""
+    standard = {(p.tp, p.batch_size): p.tokens_per_s for p in points if p.layout == "standard"}
+    speedups = {}
+    for (layout, tp), series in _by_layout_and_tp(points).items():
+        pairs = [(p.batch_size, p.tokens_per_s / standard[(tp, p.batch_size)]) for p in series
+                 if (tp, p.batch_size) in standard]
+        if layout != "standard" and pairs:
+            speedups[(layout, tp)] = pairs
+    return speedups
+
+
 def _draw_speedup(ax: Any, panel: Panel, points: list[_Point]) -> None:
     """Speedup over standard vs batch, at equal TP and batch."""
     color = _palette(points)
-    standard = {(p.tp, p.batch_size): p.tokens_per_s for p in points if p.layout == "standard"}
-    for (layout, tp), series in _by_layout_and_tp(points).items():
-        series = [p for p in series if (p.tp, p.batch_size) in standard]
-        if layout == "standard" or not series:
-            continue
-        ax.plot([p.batch_size for p in series], [p.tokens_per_s / standard[(tp, p.batch_size)] for p in series],
-                marker="o", color=color[layout], linestyle=_line_style(points, tp), label=f"{layout} tp={tp}")
+    for (layout, tp), pairs in _speedups(points).items():
+        ax.plot(*zip(*pairs), marker="o", color=color[layout], linestyle=_line_style(points, tp),
+                label=f"{layout} tp={tp}")
     ax.axhline(1.0, color="black", linewidth=0.8, label="standard")
     ax.set(xlabel="batch size", ylabel="speedup over standard", title=_panel_title(panel))
     _batch_axis(ax, [p.batch_size for p in points])
