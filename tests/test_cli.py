@@ -112,6 +112,13 @@ def test_help_says_every_default_that_a_command_would_use(capsys):
     assert "--seed SEED seed of the random weights (default: 0)" in help_of("bench", capsys)
 
 
+@pytest.mark.parametrize("words", [["bench", "plot"], ["bench", "summary"], ["train", "plot"]])
+def test_two_word_commands_are_named_as_typed(words, capsys):
+    with pytest.raises(SystemExit):
+        main([*words, "--help"])
+    assert capsys.readouterr().out.startswith(f"usage: ladder {' '.join(words)} ")
+
+
 def test_train_help_lists_every_setting_with_the_value_it_takes(capsys):
     listed = help_of("train", capsys).split("and their defaults: ")[1].rstrip(".").split(", ")
     assert [item.split("=")[0] for item in listed] == [f.name for f in dataclasses.fields(TrainConfig)]

@@ -653,18 +653,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
 
-    tp_ = sub.add_parser("train-plot", help="loss curves of runs on one picture (also: ladder train plot RUN...)")
+    tp_ = sub.add_parser("train-plot", prog="ladder train plot",
+                         help="loss curves of runs on one picture (also: ladder train plot RUN...)")
     tp_.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl)")
     tp_.add_argument("--out", default="loss.png", help="the picture to write")
     tp_.set_defaults(func=cmd_train_plot)
 
-    bs = sub.add_parser("bench-summary", help="the speedup table of results files, then the configurations that "
-                                              "failed (also: ladder bench summary FILE...)")
+    bs = sub.add_parser("bench-summary", prog="ladder bench summary",
+                        help="the speedup table of results files, then the configurations that failed "
+                             "(also: ladder bench summary FILE...)")
     bs.add_argument("results", nargs="+", help="results files; the runs of a configuration are pooled across them")
     bs.add_argument("--markdown", action="store_true", help="a Markdown table")
     bs.set_defaults(func=cmd_bench_summary)
 
-    bp = sub.add_parser("bench-plot", help="draw the pictures of a results file (also: ladder bench plot FILE)")
+    bp = sub.add_parser("bench-plot", prog="ladder bench plot",
+                        help="draw the pictures of a results file (also: ladder bench plot FILE)")
     bp.add_argument("results", help="a results .jsonl file written by ladder bench")
     bp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: beside the results)")
     bp.set_defaults(func=cmd_bench_plot)
