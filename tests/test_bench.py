@@ -338,15 +338,19 @@ def test_sweep_of_a_real_checkpoint(tiny_hf, tmp_path):
 
 def test_a_hybrid_sweep_compares_ladder_on_the_last_layers_with_whole_baselines(tmp_path):
     out = tmp_path / "r.jsonl"
-    result = ladder_cli("bench", "--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--ladder-layers", "2",
-                        "--tp", "2", "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "2", "--runs", "1",
-                        "--interconnect", "pcie-no-p2p", "--no-progress", "--out", str(out))
+    result = ladder_cli("bench", "--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--ladder-layers",
+                        "2,1", "--tp", "2", "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "2", "--runs", "1",
+                        "--interconnect", "pcie-no-p2p", "--interleave", "steps", "--no-progress", "--out", str(out))
     assert result.returncode == 0, result.stderr
-    assert {r["layout"]: r["ladder_layers"] for r in read_results(out)} == {
-        "standard": None, "ladder": 2, "upper-bound": None}
-    hybrid = next(r for r in summarise(read_results(out)) if r["layout"] == "ladder[2]")
-    assert hybrid["speedup"] is not None and hybrid["hidden"] is not None
-    assert "ladder[2]" in result.stdout
+    records = read_results(out)
+    assert [(r["layout"], r["ladder_layers"]) for r in records] == [
+        ("standard", None), ("ladder", 2), ("ladder", 1), ("upper-bound", None)]
+    assert {tuple(r["interleaved"]["layouts"]) for r in records} == {  # one hybrid per N, taking turns with the rest
+        ("standard", "ladder[2]", "ladder[1]", "upper-bound")}
+    for n in (1, 2):
+        hybrid = next(r for r in summarise(records) if r["layout"] == f"ladder[{n}]")
+        assert hybrid["speedup"] is not None and hybrid["hidden"] is not None
+        assert f"ladder[{n}]" in result.stdout
 
 
 def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path):
@@ -455,8 +459,10 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--tp", "1,2,1"], "--tp lists 1 twice"),
     (["--layouts", "ladder,standard,ladder"], "--layouts lists ladder twice"),
-    (["--ladder-layers", "1", "--layouts", "standard,upper-bound"],
-     "--ladder-layers 1 makes the ladder layout hybrid, and --layouts standard,upper-bound has no ladder"),
+    (["--ladder-layers", "1,2", "--layouts", "standard,upper-bound"],
+     "--ladder-layers 1,2 makes the ladder layout hybrid, and --layouts standard,upper-bound has no ladder"),
+    (["--ladder-layers", "1,1"], "--ladder-layers lists 1 twice"),
+    (["--ladder-layers", "1,13"], "ladder_layers must be between 0 and n_layers=12, got 13"),
     (["--profile", "/dev/null"], "--profile /dev/null is a file; name a folder for the traces"),
     (["--device", "tpu"], "unknown device 'tpu'; use cpu, cuda or auto"),
     (["--interconnect", "pcie-no-p2p", "--comm-share", "1.5"], "--comm-share is a share of the step, between 0 and 1"),

@@ -102,7 +102,7 @@ def test_predicted_hidden_fraction_is_the_papers_definition_on_ladder_rows_only(
 def test_hybrid_lies_between_standard_and_ladder_and_is_each_at_its_ends():
     def ladder_row(n):
         rows = predict_table("llama-3-70b", GPUS["h100"], get_link("pcie-no-p2p"), 8, [1, 64],
-                             ["standard", "ladder"], 1024, 512, ladder_layers=n)
+                             ["standard", "ladder"], 1024, 512, ladder_layers=[n])
         return {r["batch_size"]: r for r in rows if r["layout"] == "ladder"}
 
     whole = {r["batch_size"]: r for r in predict_table("llama-3-70b", GPUS["h100"], get_link("pcie-no-p2p"), 8,
@@ -113,8 +113,13 @@ def test_hybrid_lies_between_standard_and_ladder_and_is_each_at_its_ends():
         speedups = [ladder_row(n)[b]["speedup"] for n in (0, 20, 40, 60, 79)]
         assert speedups == sorted(speedups) and speedups[0] < speedups[-1]  # every ladder layer hides more
         assert ladder_row(40)[b]["ladder_layers"] == 40 and whole[b]["ladder_layers"] is None
-    out = ladder_cli("predict", "--interconnect", "pcie-no-p2p", "--batch-sizes", "1", "--ladder-layers", "40")
-    assert out.returncode == 0 and "ladder[40]" in out.stdout and "ladder on the last 40 layers" in out.stdout
+    several = predict_table("llama-3-70b", GPUS["h100"], get_link("pcie-no-p2p"), 8, [1], ["standard", "ladder"],
+                            1024, 512, ladder_layers=[60, 20])
+    assert [(r["layout"], r["ladder_layers"]) for r in several] == [("standard", None), ("ladder", 60), ("ladder", 20)]
+    assert [r["speedup"] for r in several[1:]] == [ladder_row(60)[1]["speedup"], ladder_row(20)[1]["speedup"]]
+    out = ladder_cli("predict", "--interconnect", "pcie-no-p2p", "--batch-sizes", "1", "--ladder-layers", "40,80")
+    assert out.returncode == 0 and "ladder on the last N layers" in out.stdout
+    assert "ladder[40]" in out.stdout and "ladder[80]" in out.stdout
 
 
 def test_what_fits_in_memory_is_what_the_paper_could_run():
@@ -178,6 +183,8 @@ def test_validate_json_is_the_report_of_the_api():
     (["--layouts", "ladder,desync"], "the cost model knows standard, parallel, ladder and upper-bound, not 'desync'"),
     (["--ladder-layers", "81"], "--ladder-layers must be between 0 and llama-3-70b's 80 layers, got 81"),
     (["--ladder-layers", "40", "--layouts", "standard,parallel"], "--ladder-layers 40 makes the ladder layout hybrid"),
+    (["--ladder-layers", "20,81"], "--ladder-layers must be between 0 and llama-3-70b's 80 layers, got 81"),
+    (["--ladder-layers", "20,20"], "--ladder-layers lists 20 twice"),
     (["--interconnect", "nvlink-h100", "--link-bandwidth-gbps", "0"], "--link-bandwidth-gbps must be > 0, got 0"),
 ])
 def test_predict_bad_input_is_one_line(args, message):

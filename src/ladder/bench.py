@@ -591,15 +591,14 @@ def git_commit(package_dir: Path = Path(__file__).parent) -> str | None:
 
 def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[int], batch_sizes: Sequence[int],
                  links: Sequence[LinkModel | None], **common: Any) -> list[BenchPoint]:
-    """Every combination, validated up front (unknown names and impossible TP degrees fail at once)."""
+    """Every combination, validated up front (unknown names and impossible TP degrees fail at once).
+    `ladder_layers` (a list of N): the ladder layout becomes one hybrid per N, ladder on the last N layers."""
     ladder_layers = common.pop("ladder_layers", None)
-    if ladder_layers is not None and "ladder" not in layouts:
-        raise LadderError(f"--ladder-layers {ladder_layers} makes the ladder layout hybrid, and --layouts "
-                          f"{','.join(layouts)} has no ladder")
+    check_hybrids(ladder_layers, layouts)
     # Hybrid is a kind of ladder: the other layouts stay whole, the baselines it is compared with.
-    points = [BenchPoint(preset=p, layout=layout, tp=tp, batch_size=b, link=link,
-                         ladder_layers=ladder_layers if layout == "ladder" else None, **common)
-              for p in presets for link in links for tp in tps for b in batch_sizes for layout in layouts]
+    points = [BenchPoint(preset=p, layout=layout, tp=tp, batch_size=b, link=link, ladder_layers=n, **common)
+              for p in presets for link in links for tp in tps for b in batch_sizes
+              for layout, n in layout_variants(layouts, ladder_layers)]
     from ladder.distributed import pick_device
     from ladder.launch import check_launchable, under_torchrun
 
@@ -639,6 +638,20 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
             raise LadderError(f"--prompt-len {point.prompt_len} + --gen-len {point.gen_len} exceeds "
                               f"{point.preset}'s max_seq_len {config.max_seq_len}")
     return points
+
+
+def layout_variants(layouts: Sequence[str], ladder_layers: Sequence[int] | None) -> list[tuple[str, int | None]]:
+    """(layout, N) to measure: ladder once per N of `ladder_layers` (hybrid; once, whole, without them),
+    every other layout once, whole (N None)."""
+    return [(layout, n) for layout in layouts for n in (ladder_layers if layout == "ladder" and ladder_layers
+                                                        else [None])]
+
+
+def check_hybrids(ladder_layers: Sequence[int] | None, layouts: Sequence[str]) -> None:
+    """`--ladder-layers` turns the ladder layout into hybrids: refuse it where there is no ladder to turn."""
+    if ladder_layers is not None and "ladder" not in layouts:
+        raise LadderError(f"--ladder-layers {','.join(map(str, ladder_layers))} makes the ladder layout hybrid, "
+                          f"and --layouts {','.join(layouts)} has no ladder")
 
 
 def run_group(group: Sequence[BenchPoint], interleave: str = "runs") -> list[dict[str, Any]]:
@@ -777,7 +790,7 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
                     bar.update(len(group))
                     continue
                 first = group[0]
-                layouts = "+".join(p.layout for p in group)
+                layouts = "+".join(layout_label(p.describe()) for p in group)
                 bar.set_postfix_str(f"{first.preset} {layouts} tp={first.tp} bs={first.batch_size} "
                                     f"{first.interconnect}" + (f" round {i + 1}/{rounds}" if rounds > 1 else ""))
                 for record in run_group(group, interleave or "runs"):
@@ -791,7 +804,7 @@ def run_sweep(points: list[BenchPoint], out: Path, progress: bool = True, rounds
                     append_jsonl(out, record)
                     records.append(record)
                     if record["status"] != "ok":
-                        bar.write(f"failed: {record['layout']} tp={record['tp']} bs={record['batch_size']}: "
+                        bar.write(f"failed: {layout_label(record)} tp={record['tp']} bs={record['batch_size']}: "
                                   f"{record['error']}")
                 bar.update(len(group))
     finally:

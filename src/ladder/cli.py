@@ -285,6 +285,11 @@ def parse_list(text: str, kind: type = str, flag: str = "") -> list:
     return items
 
 
+def parse_hybrids(text: str | None) -> list[int] | None:
+    """`--ladder-layers 20,40` of bench and predict: the N of each hybrid to compare, or None (whole ladder)."""
+    return None if text is None else parse_list(text, int, "--ladder-layers")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -308,7 +313,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         links=links, prompt_len=args.prompt_len, gen_len=args.gen_len, warmup=args.warmup, runs=args.runs,
         device=args.device, dtype=args.dtype, compile=args.compile, cuda_graph=args.cuda_graph,
         compile_layers=args.compile_layers, seed=args.seed,
-        link_scale=args.link_scale, ladder_layers=args.ladder_layers, checkpoint=args.model,
+        link_scale=args.link_scale, ladder_layers=parse_hybrids(args.ladder_layers), checkpoint=args.model,
         profile_dir=args.profile, profile_tokens=args.profile_tokens)
     check_repetition(args.rounds, args.interleave)
     if args.comm_share is not None:
@@ -432,14 +437,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
     gpu, tps = get_gpu(args.gpu), parse_list(args.tp, int, "--tp")
     batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
     layouts = parse_list(args.layouts, str, "--layouts")
+    hybrids = parse_hybrids(args.ladder_layers)
     rows = [row for link in links for tp in tps
             for row in predict_table(args.preset, gpu, link, tp, batch_sizes, layouts, args.prompt_len, args.gen_len,
-                                     ladder_layers=args.ladder_layers)]
+                                     ladder_layers=hybrids)]
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
-    hybrid = "" if args.ladder_layers is None else f", ladder[{args.ladder_layers}]: ladder on the last {args.ladder_layers} layers"
+    hybrid = "" if hybrids is None else ", ladder[N]: ladder on the last N layers"
     print(f"predicted (cost model, not measured): {args.preset} on {args.gpu}, prompt {args.prompt_len}, "
           f"{args.gen_len} new tokens{hybrid}")
     print(format_predictions(rows))
@@ -580,7 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "instead of random weights of --preset")
     b.add_argument("--layouts", help=f"comma-separated layouts (default: {BENCH_DEFAULTS['layouts']}; "
                                      "without parallel for --model)")
-    b.add_argument("--ladder-layers", type=int, metavar="N", help="for the ladder layout: ladder on the last N layers")
+    b.add_argument("--ladder-layers", metavar="N[,N...]",
+                   help="for the ladder layout: ladder on the last N layers (hybrid); a list measures one hybrid "
+                        "per N, each against the same whole baselines")
     b.add_argument("--tp", default=BENCH_DEFAULTS["tp"], help="comma-separated TP degrees")
     b.add_argument("--batch-sizes", default=BENCH_DEFAULTS["batch_sizes"], help="comma-separated batch sizes")
     b.add_argument("--prompt-len", type=int, default=BENCH_DEFAULTS["prompt_len"],
@@ -636,7 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tp", default="8", help="comma-separated tensor-parallel degrees")
     pr.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated batch sizes")
     pr.add_argument("--layouts", default="standard,parallel,ladder,upper-bound", help="comma-separated layouts")
-    pr.add_argument("--ladder-layers", type=int, metavar="N", help="for the ladder layout: ladder on the last N layers")
+    pr.add_argument("--ladder-layers", metavar="N[,N...]",
+                    help="for the ladder layout: ladder on the last N layers (hybrid); a list predicts one hybrid "
+                         "per N")
     pr.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence")
     pr.add_argument("--gen-len", type=int, default=512, help="new tokens per sequence")
     pr.add_argument("--json", action="store_true",

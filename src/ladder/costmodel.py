@@ -317,14 +317,16 @@ def stored_accuracy() -> str:
 
 def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: list[int],
                   layouts: list[str], prompt_len: int, gen_len: int,
-                  constants: CostConstants | None = None, ladder_layers: int | None = None) -> list[dict[str, Any]]:
+                  constants: CostConstants | None = None, ladder_layers: Sequence[int] | None = None
+                  ) -> list[dict[str, Any]]:
     """Predicted tokens/s for each (batch, layout): in all, per GPU, the speedup over standard and,
     for ladder, the share of standard's communication it hides (the paper's definition, as `ladder
-    bench` reports it). `ladder_layers`: ladder on the last N layers only (hybrid).
+    bench` reports it). `ladder_layers`: instead of whole ladder, a hybrid (ladder on the last N layers
+    only) for each N.
     `memory_bytes_per_gpu` is `ladder bench`'s estimate of one rank's peak, and
     `fits` whether that stays within the share of the GPU's memory `ladder bench` allows itself: the
     roofline knows no memory limit, so a row that does not fit predicts a run that cannot happen."""
-    from ladder.bench import estimate_memory_bytes, fits_in
+    from ladder.bench import check_hybrids, estimate_memory_bytes, fits_in, layout_variants
     from ladder.results import hidden_fraction
 
     constants = constants or fitted_constants()
@@ -332,28 +334,27 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     config.check_tp(tp)
     if min(batch_sizes) < 1 or prompt_len < 1 or gen_len < 1:
         raise LadderError("batch sizes, --prompt-len and --gen-len must be >= 1")
-    if ladder_layers is not None and "ladder" not in layouts:
-        raise LadderError(f"--ladder-layers {ladder_layers} makes the ladder layout hybrid, and --layouts "
-                          f"{','.join(layouts)} has no ladder")
-    if ladder_layers is not None and not 0 <= ladder_layers <= config.n_layers:
+    check_hybrids(ladder_layers, layouts)
+    outside = [n for n in ladder_layers or [] if not 0 <= n <= config.n_layers]
+    if outside:
         raise LadderError(f"--ladder-layers must be between 0 and {preset}'s {config.n_layers} layers, "
-                          f"got {ladder_layers}")
+                          f"got {outside[0]}")
+    variants = layout_variants(layouts, ladder_layers)
     rows = []
     for b in batch_sizes:
         w = Workload(config, tp, b, prompt_len, gen_len)
         memory = estimate_memory_bytes(config, tp, b, prompt_len, prompt_len + gen_len, w.dtype_bytes)
-        tps = {name: predict_tokens_per_s(replace(w, ladder_layers=ladder_layers) if name == "ladder" else w,
-                                          name, gpu, link, constants)
-               for name in dict.fromkeys([*layouts, "standard", "upper-bound"])}
-        seconds = {name: 1 / value for name, value in tps.items()}  # per generated token: hidden's times
-        for layout in layouts:
-            hidden = (hidden_fraction(seconds["standard"], seconds[layout], seconds["upper-bound"])
+        tps = {(name, n): predict_tokens_per_s(replace(w, ladder_layers=n), name, gpu, link, constants)
+               for name, n in dict.fromkeys([*variants, ("standard", None), ("upper-bound", None)])}
+        seconds = {variant: 1 / value for variant, value in tps.items()}  # per generated token: hidden's times
+        standard, upper_bound = ("standard", None), ("upper-bound", None)
+        for layout, n in variants:
+            hidden = (hidden_fraction(seconds[standard], seconds[(layout, n)], seconds[upper_bound])
                       if layout == "ladder" else None)
             rows.append({"preset": preset, "gpu": gpu.name, "interconnect": link.name, "tp": tp, "batch_size": b,
-                         "layout": layout, "ladder_layers": ladder_layers if layout == "ladder" else None,
-                         "tokens_per_s": tps[layout], "tokens_per_s_per_gpu": tps[layout] / tp,
-                         "speedup": tps[layout] / tps["standard"], "hidden": hidden, "memory_bytes_per_gpu": memory,
-                         "fits": fits_in(memory, gpu.memory_bytes)})
+                         "layout": layout, "ladder_layers": n, "tokens_per_s": tps[(layout, n)],
+                         "tokens_per_s_per_gpu": tps[(layout, n)] / tp, "speedup": tps[(layout, n)] / tps[standard],
+                         "hidden": hidden, "memory_bytes_per_gpu": memory, "fits": fits_in(memory, gpu.memory_bytes)})
     return rows
 
 
