@@ -147,6 +147,15 @@ def test_hidden_interval_resamples_interleaved_runs_together():
     assert len(results._runs_by_turn(twice)) == 2 * len(drift)
 
 
+def test_the_summary_lists_hybrids_by_their_number_of_ladder_layers():
+    records = [{"status": "ok", "preset": "tiny", "interconnect": "real", "emulated": False, "tp": 2, "batch_size": 1,
+                "prompt_len": 8, "gen_len": 4, "layout": layout, "ladder_layers": n, "tokens_per_s": 10.0}
+               for layout, n in [("upper-bound", None), ("ladder", 12), ("ladder", None), ("ladder", 3),
+                                 ("standard", None), ("ladder", 6), ("parallel", None)]]
+    assert [r["layout"] for r in summarise(records)] == [
+        "standard", "parallel", "ladder[3]", "ladder[6]", "ladder[12]", "ladder", "upper-bound"]
+
+
 def test_plots_pool_records_as_the_summary_does():
     from ladder.plots import _pooled_points, pareto_frontier
 
@@ -252,6 +261,33 @@ def test_a_sweep_of_standard_alone_draws_no_empty_speedup_picture(tmp_path):
     ladder = [r | {"layout": "ladder", "tokens_per_s": 12.0} for r in records]
     paths, not_drawn = plot_bench(records + ladder, tmp_path)
     assert [p.name for p in paths] == ["throughput.png", "speedup.png", "pareto.png"] and not not_drawn
+
+
+def test_hybrids_of_several_depths_get_a_picture_of_speedup_against_ladder_layers(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ladder.plots import _draw_hybrids, _pooled_points, plot_bench
+
+    def record(layout, tokens_per_s, ladder_layers=None):
+        return {"status": "ok", "preset": "tiny", "interconnect": "pcie-no-p2p", "emulated": True, "tp": 2,
+                "batch_size": 1, "prompt_len": 8, "gen_len": 4, "layout": layout, "ladder_layers": ladder_layers,
+                "tokens_per_s": tokens_per_s, "model": {"n_layers": 12}, "env": {"device_name": "cpu"}}
+
+    records = [record("standard", 10.0), record("ladder", 11.0, 3), record("ladder", 12.0, 6), record("ladder", 14.0),
+               record("upper-bound", 15.0)]
+    [(panel, points)] = _pooled_points(records).items()
+    fig, ax = plt.subplots()
+    _draw_hybrids(ax, panel, points)
+    lines = {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()}
+    plt.close(fig)
+    assert lines["tp=2 batch 1"] == [[0, 1.0], [3, 1.1], [6, 1.2], [12, 1.4]]  # whole ladder: all 12 layers
+    assert lines["upper bound, tp=2 batch 1"][0][1] == 1.5
+    paths, _ = plot_bench(records, tmp_path)
+    assert paths[-1].name == "hybrid.png"
+    paths, _ = plot_bench([r for r in records if r["ladder_layers"] is None], tmp_path)  # one depth: no such picture
+    assert "hybrid.png" not in [p.name for p in paths]
 
 
 # Waits are sleeps on a real clock: a wait overshoots by scheduler latency (tens of microseconds on an

@@ -100,7 +100,7 @@ def test_real_gloo_schedule_overlaps_ladder_only(tp2):
         assert all(overlapped_modules(schedules["ladder"]))
         assert not any(overlapped_modules(schedules["standard"]))
         hybrid = overlapped_modules(schedules["hybrid"])  # ladder on the last 2 of 4 layers
-        assert hybrid == [j >= 4 for j in range(len(hybrid))]
+        assert hybrid == [j >= 3 for j in range(len(hybrid))]  # and the last standard MLP (module 3)
 
 
 def _gloo_threads_after_shutdown() -> tuple[int, int, int]:

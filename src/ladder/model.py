@@ -309,20 +309,25 @@ class Transformer(nn.Module):
         module all but the newest are waited on and added (so it reads r_{j-2}, and the newest
         all-reduce keeps running while this module computes); before a standard module all are.
         A hybrid model is this loop with ladder modules only in its last N layers: the first
-        ladder attention then reads the residual without the previous (standard) layer's MLP.
+        ladder attention then reads the residual without the previous (standard) layer's MLP, so
+        that MLP's all-reduce, like a ladder module's, runs while the attention computes.
         """
         pending: list[Handle] = []
         y = None  # the newest module's output: the compute a wait must come after
         # Looked up once a forward, not once a module: this loop runs between matrix products, where
         # the interpreter runs cold and each Python call costs microseconds that upper bound never pays.
         first_ladder_module = 2 * self.config.first_ladder_layer
+        # The modules whose output the next module does not wait for: every ladder one, and the last
+        # standard one before them (none in a standard model: its last output is waited for at once).
+        first_overlapped = first_ladder_module - 1 if first_ladder_module < 2 * self.config.n_layers else None
         comm = self.comm
         for j, module in self._residual_modules(rope, input_pos, mask):
             stale = j >= first_ladder_module
             while len(pending) > (1 if stale else 0):
                 r = r + pending.pop(0).wait(after=y)
             y = module(r)  # (B, T, dim), partial sum of this rank
-            pending.append(comm.all_reduce_async(y) if stale else Done(comm.all_reduce(y)))
+            overlapped = first_overlapped is not None and j >= first_overlapped
+            pending.append(comm.all_reduce_async(y) if overlapped else Done(comm.all_reduce(y)))
         for handle in pending:  # only the last all-reduce is exposed
             r = r + handle.wait(after=y)
         return r

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ladder.errors import LadderError, check_creatable
-from ladder.results import decode_step, layout_label, link_label, pooled_tokens_per_s
+from ladder.results import decode_step, layout_label, layout_order, link_label, pooled_tokens_per_s
 
 COLORS = {"standard": "tab:gray", "parallel": "tab:blue", "ladder": "tab:red", "desync": "tab:purple",
           "upper-bound": "tab:green"}
@@ -48,6 +48,7 @@ class _Point:
     batch_size: int
     tokens_per_s: float  # median over every measured run of every record
     latency_ms: float | None  # median of the records' median decode latency per token
+    ladder_depth: int | None  # layers on ladder: a hybrid's N, all of them for whole ladder, None for the others
     records: list[tuple[float, float | None]]  # each record's own (tokens/s, latency): drawn faint
 
 
@@ -63,8 +64,15 @@ def _pooled_points(ok: list[dict[str, Any]]) -> dict[Panel, list[_Point]]:
             layout, tp, batch,
             tokens_per_s=pooled_tokens_per_s(rs),
             latency_ms=statistics.median(known) if known else None,
+            ladder_depth=_ladder_depth(rs[0]),
             records=[(r["tokens_per_s"], latency) for r, latency in zip(rs, latencies)]))
     return dict(sorted(panels.items()))
+
+
+def _ladder_depth(r: dict[str, Any]) -> int | None:
+    if r["layout"] != "ladder":
+        return None
+    return r["ladder_layers"] if r.get("ladder_layers") is not None else r.get("model", {}).get("n_layers")
 
 
 HYBRID_COLORS = ["tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
@@ -84,6 +92,7 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
                ) -> tuple[list[Path], list[str]]:
     """Three PNGs: tokens/s vs batch, speedup over standard vs batch, latency-vs-throughput Pareto; and a
     line for each that was not drawn (the speedup needs standard and another layout at equal TP and batch).
+    With hybrids of two depths or more (`--ladder-layers 3,6,9`), a fourth: speedup vs ladder layers.
     Lines join pooled values; faint dots are the records pooled (rounds of `--rounds`, sweeps run again).
     One panel per model shape, interconnect, lengths, device and decode step (`Panel`)."""
     ok = [r for r in records if r.get("status") == "ok"]
@@ -98,15 +107,21 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     if not any(_speedups(points) for points in panels.values()):
         pictures.pop(1)
         not_drawn.append("speedup.png not drawn: no layout was measured beside standard at the same TP and batch")
-    paths = []
-    for name, draw in pictures:
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
-        for ax, (panel, points) in zip(axes[0], panels.items()):
-            draw(ax, panel, points)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(_save(fig, out_dir / name, plt))
+    paths = [_draw_panels(plt, panels, draw, out_dir / name) for name, draw in pictures]
+    with_hybrids = {panel: points for panel, points in panels.items() if len(_by_depth(points)) > 1}
+    if with_hybrids:
+        paths.append(_draw_panels(plt, with_hybrids, _draw_hybrids, out_dir / "hybrid.png"))
     return paths, not_drawn
+
+
+def _draw_panels(plt: Any, panels: dict[Panel, list[_Point]], draw: Any, path: Path) -> Path:
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
+    for ax, (panel, points) in zip(axes[0], panels.items()):
+        draw(ax, panel, points)
+        if ax.get_legend_handles_labels()[0]:  # a panel can have nothing to draw (no latencies recorded)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path, plt)
 
 
 def _line_style(points: list[_Point], tp: int) -> str:
@@ -150,10 +165,40 @@ def _draw_speedup(ax: Any, panel: Panel, points: list[_Point]) -> None:
     _batch_axis(ax, [p.batch_size for p in points])
 
 
+def _by_depth(points: list[_Point]) -> dict[int, list[_Point]]:
+    """The ladder layouts of a panel by their number of ladder layers (a hybrid's N; whole ladder: all)."""
+    depths: dict[int, list[_Point]] = defaultdict(list)
+    for p in points:
+        if p.ladder_depth is not None:
+            depths[p.ladder_depth].append(p)
+    return dict(sorted(depths.items()))
+
+
+def _draw_hybrids(ax: Any, panel: Panel, points: list[_Point]) -> None:
+    """Speedup over standard vs the number of layers on ladder (standard: none), a line per TP and batch,
+    and the upper bound each could reach as a dotted line in its colour."""
+    standard = {(p.tp, p.batch_size): p.tokens_per_s for p in points if p.layout == "standard"}
+    upper_bound = {(p.tp, p.batch_size): p.tokens_per_s for p in points if p.layout == "upper-bound"}
+    configurations = sorted({(p.tp, p.batch_size) for depth in _by_depth(points).values() for p in depth
+                             if (p.tp, p.batch_size) in standard})
+    for i, (tp, batch) in enumerate(configurations):
+        pairs = [(0, 1.0)] + [(p.ladder_depth, p.tokens_per_s / standard[(tp, batch)]) for p in
+                              sorted(points, key=lambda p: p.ladder_depth or 0)
+                              if p.ladder_depth and (p.tp, p.batch_size) == (tp, batch)]
+        line, = ax.plot(*zip(*pairs), marker="o", label=f"tp={tp} batch {batch}", color=f"C{i}")
+        if (tp, batch) in upper_bound:
+            ax.axhline(upper_bound[(tp, batch)] / standard[(tp, batch)], color=line.get_color(), linestyle=":",
+                       linewidth=0.9, label=f"upper bound, tp={tp} batch {batch}")
+    depths = sorted({0, *_by_depth(points)})
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set(xlabel="layers on ladder (the last N; 0: standard)", ylabel="speedup over standard",
+           title=_panel_title(panel))
+
+
 def _draw_pareto(ax: Any, panel: Panel, points: list[_Point]) -> None:
     """Decode latency per token vs tokens/s per device across TP and batch, each layout's frontier drawn."""
     color = _palette(points)
-    for layout in sorted({p.layout for p in points}):
+    for layout in sorted({p.layout for p in points}, key=layout_order):
         mine = [p for p in points if p.layout == layout and p.latency_ms is not None]
         if not mine:
             continue
@@ -175,7 +220,7 @@ def _by_layout_and_tp(points: list[_Point]) -> dict[tuple[str, int], list[_Point
     series: dict[tuple[str, int], list[_Point]] = defaultdict(list)
     for p in sorted(points, key=lambda p: p.batch_size):
         series[(p.layout, p.tp)].append(p)
-    return dict(sorted(series.items()))
+    return dict(sorted(series.items(), key=lambda item: (layout_order(item[0][0]), item[0][1])))
 
 
 def _plain_log_labels(axis) -> None:

@@ -96,10 +96,17 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                     row["hidden_rounds"] = _hidden_per_round(triple)
                     row["hidden_interval"] = hidden_interval(triple)
             rows.append(row)
-    order = {"standard": 0, "parallel": 1, "ladder": 2, "desync": 3, "upper-bound": 4}
     rows.sort(key=lambda r: (r["preset"], r["link"], r["decode_step"], r["tp"], r["batch_size"],
-                             order.get(r["layout"].split("[")[0], 9), r["layout"]))
+                             layout_order(r["layout"])))
     return rows
+
+
+def layout_order(label: str) -> tuple[int, int, str]:
+    """Sort key of a layout label: standard, parallel, hybrids by N (ladder[3] before ladder[12]), whole
+    ladder, desync, upper bound."""
+    order = {"standard": 0, "parallel": 1, "ladder": 2, "desync": 3, "upper-bound": 4}
+    name, _, n = label.partition("[")
+    return order.get(name, 9), int(n.rstrip("]")) if n.rstrip("]").isdigit() else 1 << 30, label
 
 
 def failures(records: Sequence[dict[str, Any]]) -> list[str]:
