@@ -15,11 +15,15 @@
 #     (--compile-layers: seconds, where compiling the whole step took minutes), the step one CUDA graph
 #     (STEP_COMPILED_70B; a CPU dry run gives it --compile-layers alone), its own results file;
 #  5. a table comparing the measured speedups with the paper's (results/gpu/comparison.md, and
-#     comparison-compiled.md for step 4).
+#     comparison-compiled.md for step 4);
+#  6. hybrids: the same shard with ladder on its last HYBRID_LAYERS (default 20,40,60 of 80) layers at
+#     HYBRID_BATCHES (default 1), against whole standard and upper bound, its pictures in hybrid/ (the
+#     paper has no hybrid timings; `ladder predict --ladder-layers` prints the cost model's beside them).
 # Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP,
 # LAYOUTS_70B to trim the sweep, STEP_70B, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the
 # models, shapes and decode step (a dry run on CPU: DEVICE=cpu COMPILE= STEP_70B= STEP_COMPILED_70B=--compile-layers
-# STEP_SMALL_LAYERS=--compile-layers PRESET_SMALL=tiny PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4).
+# STEP_SMALL_LAYERS=--compile-layers PRESET_SMALL=tiny PRESET_70B=tiny TP=2 BATCHES=1 RUNS=1 PROMPT_LEN=8 GEN_LEN=4
+# HYBRID_LAYERS=1,2,3).
 # Every sweep runs with --resume, batch size by batch size (batch 1 of both links first): on a machine
 # lent in time-limited calls, run it again and it goes on where the previous call was stopped, e.g.
 #   RESULTS=.gpu-results bash scripts/gpu_checks.sh; cp -r .gpu-results "$OUT"/   (.gpu-results is ignored by git)
@@ -41,6 +45,8 @@ step_70b=${STEP_70B---cuda-graph}
 compiled_batches=${COMPILED_BATCHES-1,64}
 step_small_layers=${STEP_SMALL_LAYERS---compile-layers --cuda-graph}
 step_compiled_70b=${STEP_COMPILED_70B---compile-layers --cuda-graph}
+hybrid_layers=${HYBRID_LAYERS:-20,40,60}
+hybrid_batches=${HYBRID_BATCHES-1}
 prompt=${PROMPT_LEN:-1024}
 gen=${GEN_LEN:-512}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -74,5 +80,19 @@ if [[ -f "$out/${big}-tp${tp}-shard.jsonl" ]]; then
 fi
 if [[ -f "$out/${big}-tp${tp}-shard-compiled.jsonl" ]]; then
     "$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard-compiled.jsonl" | tee "$out/comparison-compiled.md"
+fi
+for batch in ${hybrid_batches//,/ }; do
+    ladder bench --preset "$big" --layouts standard,ladder,upper-bound --ladder-layers "$hybrid_layers" --tp "$tp" \
+        --batch-sizes "$batch" --interconnect nvlink-h100,pcie-no-p2p --prompt-len "$prompt" --gen-len "$gen" \
+        --warmup "$warmup" --runs "$runs" --device "$device" $step_70b --interleave --resume --no-progress \
+        --out "$out/hybrid/${big}-tp${tp}-shard-hybrid.jsonl" || failed=1
+done
+if [[ -f "$out/hybrid/${big}-tp${tp}-shard-hybrid.jsonl" ]]; then
+    ladder bench plot "$out/hybrid/${big}-tp${tp}-shard-hybrid.jsonl"
+    if [[ "$big" == llama-3-70b ]]; then  # the cost model knows the GPU presets' shapes, not a dry run's
+        ladder predict --preset "$big" --interconnect nvlink-h100,pcie-no-p2p --tp "$tp" --batch-sizes "$hybrid_batches" \
+            --layouts standard,ladder,upper-bound --ladder-layers "$hybrid_layers" --prompt-len "$prompt" \
+            --gen-len "$gen" | tee "$out/hybrid/predicted.txt"
+    fi
 fi
 exit $failed
