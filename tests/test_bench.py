@@ -76,6 +76,22 @@ def test_summary_speedups_and_hidden_fraction(sweep):
     assert missing.returncode == 2 and missing.stderr.strip().endswith("none.jsonl")
 
 
+@pytest.mark.parametrize("command", ["summary", "plot"])
+@pytest.mark.parametrize("text,message", [
+    ('{"step": 10, "loss": 3.2}\n', "r.jsonl:1 is not a ladder bench record (it has no status, preset, layout"),
+    ('{"status": "ok", "preset": "tiny"}\n', "(it has no layout, interconnect, tp, batch_size, prompt_len, gen_len, "
+                                             "tokens_per_s)"),
+    ('\n[1, 2]\n', "r.jsonl:2 is not a ladder bench record"),
+    ('{"status": "ok"\n{}\n', "r.jsonl:1 is not a JSON line"),
+])
+def test_a_file_that_is_not_a_results_file_is_refused_in_one_line(command, text, message, tmp_path):
+    """A training run's metrics.jsonl given by mistake, say: one line naming the file, not a traceback."""
+    (tmp_path / "r.jsonl").write_text(text)
+    out = ladder_cli("bench", command, str(tmp_path / "r.jsonl"))
+    assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert message in out.stderr
+
+
 def test_summary_pools_rounds():
     def record(layout, runs, round_):
         return {"status": "ok", "preset": "tiny", "interconnect": "custom", "emulated": True, "link_scale": 1.0,

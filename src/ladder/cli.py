@@ -387,9 +387,9 @@ def report_sweep(records: list[dict[str, Any]], done: dict[str, dict[str, Any]],
 
 
 def cmd_bench_summary(args: argparse.Namespace) -> int:
-    from ladder.results import failures, format_summary, read_results, summarise
+    from ladder.results import failures, format_summary, read_bench_records, summarise
 
-    records = [r for path in args.results for r in read_results(Path(path))]
+    records = [r for path in args.results for r in read_bench_records(Path(path))]
     rows = summarise(records)
     if rows:
         print(format_summary(rows, markdown=args.markdown))
@@ -403,10 +403,10 @@ def cmd_bench_summary(args: argparse.Namespace) -> int:
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ladder.results import read_results
+    from ladder.results import read_bench_records
     from ladder.plots import plot_bench
 
-    records = read_results(Path(args.results))
+    records = read_bench_records(Path(args.results))
     paths, not_drawn = plot_bench(records, Path(args.out_dir) if args.out_dir else None, Path(args.results))
     print("\n".join(map(str, paths + not_drawn)))
     return 0

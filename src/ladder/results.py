@@ -17,6 +17,30 @@ from ladder.errors import LadderError
 
 def read_results(path: Path) -> list[dict[str, Any]]:
     """Every record of a results file, in the order measured (failed configurations included)."""
+    return [record for _, record in _json_lines(path)]
+
+
+# What the summary and the pictures read from every record, and from every successful one.
+RECORD_FIELDS = ("status", "preset", "layout", "interconnect", "tp", "batch_size", "prompt_len", "gen_len")
+MEASURED_FIELDS = ("tokens_per_s",)
+
+
+def read_bench_records(path: Path) -> list[dict[str, Any]]:
+    """`read_results`, refusing in one line a file that is not `ladder bench`'s (a training run's
+    metrics.jsonl, say) rather than failing on the first field it lacks."""
+    records = []
+    for n, record in _json_lines(path):
+        needed = RECORD_FIELDS + (MEASURED_FIELDS if isinstance(record, dict) and record.get("status") == "ok"
+                                  else ())
+        missing = [name for name in needed if not isinstance(record, dict) or name not in record]
+        if missing:
+            raise LadderError(f"{path}:{n} is not a ladder bench record (it has no {', '.join(missing)})")
+        records.append(record)
+    return records
+
+
+def _json_lines(path: Path) -> list[tuple[int, Any]]:
+    """(line number, parsed JSON) of every non-blank line."""
     if not path.is_file():
         raise LadderError(f"no results file at {path}")
     text = path.read_text()
@@ -26,7 +50,7 @@ def read_results(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            records.append((n, json.loads(line)))
         except json.JSONDecodeError:
             if n == len(lines) and not text.endswith("\n"):
                 continue  # the last record of a killed run, cut short while being written: not a result
