@@ -194,6 +194,15 @@ def test_config_file_and_cli(corpus, tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip() == "ladder: error: steps expects an integer, got 'abc'"
 
 
+def test_train_plot_of_a_folder_that_holds_no_training_metrics_is_one_line(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"status": "ok", "layout": "ladder"}\n')  # a bench record
+    plot = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "plot", str(tmp_path / "run"),
+                           "--out", str(tmp_path / "loss.png")], capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 2 and plot.stderr.strip() == (
+        f"ladder: error: {tmp_path / 'run' / 'metrics.jsonl'}:1 is not a ladder train record (it has no tokens and loss)")
+
+
 @pytest.mark.parametrize("override,message", [
     ("lr=-1", "lr must be > 0, got -1.0"),
     ("lr=nan", "lr must be > 0, got nan"),

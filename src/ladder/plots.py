@@ -264,7 +264,7 @@ def _save(fig, path: Path, plt) -> Path:
 
 def plot_training(runs: list[Path], out: Path) -> Path:
     """Training (and held-out) loss against tokens for one or more runs, on one picture."""
-    import json
+    from ladder.results import json_lines
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -272,7 +272,11 @@ def plot_training(runs: list[Path], out: Path) -> Path:
         metrics = run / "metrics.jsonl"
         if not metrics.is_file():
             raise LadderError(f"{run} has no metrics.jsonl (not a training run folder?)")
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = []
+        for n, row in json_lines(metrics):
+            if not (isinstance(row, dict) and "tokens" in row and "loss" in row):
+                raise LadderError(f"{metrics}:{n} is not a ladder train record (it has no tokens and loss)")
+            rows.append(row)
         line, = ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], alpha=0.7, label=f"{run.name} train")
         held = [(r["tokens"], r["eval_loss"]) for r in rows if "eval_loss" in r]
         if held:

@@ -17,7 +17,7 @@ from ladder.errors import LadderError
 
 def read_results(path: Path) -> list[dict[str, Any]]:
     """Every record of a results file, in the order measured (failed configurations included)."""
-    return [record for _, record in _json_lines(path)]
+    return [record for _, record in json_lines(path)]
 
 
 # What the summary and the pictures read from every record, and from every successful one.
@@ -29,7 +29,7 @@ def read_bench_records(path: Path) -> list[dict[str, Any]]:
     """`read_results`, refusing in one line a file that is not `ladder bench`'s (a training run's
     metrics.jsonl, say) rather than failing on the first field it lacks."""
     records = []
-    for n, record in _json_lines(path):
+    for n, record in json_lines(path):
         needed = RECORD_FIELDS + (MEASURED_FIELDS if isinstance(record, dict) and record.get("status") == "ok"
                                   else ())
         missing = [name for name in needed if not isinstance(record, dict) or name not in record]
@@ -39,7 +39,7 @@ def read_bench_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _json_lines(path: Path) -> list[tuple[int, Any]]:
+def json_lines(path: Path) -> list[tuple[int, Any]]:
     """(line number, parsed JSON) of every non-blank line."""
     if not path.is_file():
         raise LadderError(f"no results file at {path}")
