@@ -432,7 +432,9 @@ def test_the_summary_lists_the_failures_no_later_record_measured():
 
 def test_failed_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     out = tmp_path / "r.jsonl"
-    out.write_text(json.dumps({"status": "ok", "note": "measured earlier"}) + "\n")
+    earlier = {"status": "ok", "preset": "tiny", "layout": "standard", "interconnect": "real", "tp": 1,
+               "batch_size": 1, "prompt_len": 4, "gen_len": 2, "tokens_per_s": 9.0, "note": "measured earlier"}
+    out.write_text(json.dumps(earlier) + "\n")
     link = get_link("nvlink-h100")
     points = [BenchPoint("llama-3.1-405b", "ladder", tp=8, batch_size=64, prompt_len=1024, gen_len=512, link=link),
               BenchPoint("tiny", "ladder", tp=2, batch_size=1, prompt_len=4, gen_len=2, link=link, runs=1)]
@@ -535,6 +537,17 @@ def test_bad_input_is_one_line(args, message, tmp_path):
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert message in lines[0]
     assert out.stdout == ""  # refused before the sweep is announced
+
+
+@pytest.mark.parametrize("resume", [[], ["--resume"]])
+def test_results_are_never_appended_to_a_file_that_is_not_bench_results(resume, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"  # a training run's, named by mistake
+    metrics.write_text('{"step": 1, "tokens": 512, "loss": 9.1}\n')
+    out = ladder_cli("bench", "--no-progress", "--preset", "tiny", "--tp", "1", "--batch-sizes", "1",
+                     "--layouts", "standard", "--runs", "1", "--out", str(metrics), *resume)
+    assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"{metrics}:1 is not a ladder bench record" in out.stderr and "name another file" in out.stderr
+    assert metrics.read_text() == '{"step": 1, "tokens": 512, "loss": 9.1}\n'
 
 
 def test_comm_share_calibration_counts_standards_all_reduces_on_the_undilated_link():

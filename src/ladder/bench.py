@@ -42,7 +42,7 @@ import torch
 from ladder.config import ModelConfig, get_preset
 from ladder.errors import LadderError, check_creatable
 from ladder.interconnect import EmulatedCommunicator, LinkModel
-from ladder.results import layout_label, read_results
+from ladder.results import layout_label, read_bench_records
 
 if TYPE_CHECKING:  # for annotations only: bench_on_rank imports the engine when a benchmark runs
     from ladder.engine import Engine, GenerationResult, SamplingParams
@@ -719,6 +719,11 @@ def check_results_file(out: Path) -> None:
         raise LadderError(f"cannot write results to {out}: {exc.strerror.lower()}") from None
     if not existed:  # the file is made by the first result, so a sweep that measures nothing leaves none
         out.unlink()
+    elif out.is_file():  # appending results to another tool's file would spoil both
+        try:
+            read_bench_records(out)
+        except LadderError as exc:
+            raise LadderError(f"--out names a file that is not ladder bench results: {exc}; name another file") from None
 
 
 def check_trace_folder(folder: Path) -> None:
@@ -744,7 +749,7 @@ def measured_already(out: Path) -> dict[str, dict[str, Any]]:
     """The successful records of a results file, by `point_key` (a later record of a key wins)."""
     if not out.is_file():
         return {}
-    return {point_key(r, r.get("round", 0)): r for r in read_results(out) if r.get("status") == "ok"}
+    return {point_key(r, r.get("round", 0)): r for r in read_bench_records(out) if r["status"] == "ok"}
 
 
 def check_repetition(rounds: int, interleave: str | None) -> None:
