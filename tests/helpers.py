@@ -27,9 +27,9 @@ def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def torchrun_ladder(*args: str, dist_timeout_s: int = 60, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node 2 -m ladder.cli ARGS...`, output captured."""
+    """`torchrun --standalone --nproc-per-node 2 -m ladder ARGS...`, output captured."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    return subprocess.run([*torchrun, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([*torchrun, "-m", "ladder", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "LADDER_DIST_TIMEOUT": str(dist_timeout_s), "OMP_NUM_THREADS": "1"})
 
 
@@ -51,7 +51,7 @@ def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Se
         port = s.getsockname()[1]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "-m", "ladder.cli", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "-m", "ladder", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env={**os.environ, "LADDER_DIST_TIMEOUT": str(dist_timeout_s),
                                                  "OMP_NUM_THREADS": "1"})
              for node, (args, cwd) in enumerate(zip(args_of_node, cwd_of_node, strict=True))]
