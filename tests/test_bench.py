@@ -115,6 +115,27 @@ def test_summary_pools_rounds():
     assert f"{lo:.2f}..{hi:.2f}" in format_summary(list(rows.values()))
 
 
+def test_a_file_measured_in_two_dtypes_or_on_two_devices_is_never_pooled_and_says_which_is_which():
+    def record(layout, tokens_per_s, dtype="float32", device="NVIDIA H100 80GB HBM3"):
+        return {"status": "ok", "preset": "tiny", "interconnect": "real", "emulated": False, "tp": 1,
+                "batch_size": 1, "prompt_len": 8, "gen_len": 4, "layout": layout, "device": "cuda", "dtype": dtype,
+                "tokens_per_s": tokens_per_s, "env": {"device_name": device}}
+
+    one_way = [record("standard", 100.0), record("ladder", 110.0)]
+    assert "float32" not in format_summary(summarise(one_way))  # nothing to tell apart: no label
+    again = [record("standard", 300.0, "bfloat16"), record("ladder", 300.0, "bfloat16"),
+             record("standard", 200.0, device="NVIDIA H200"), record("ladder", 250.0, device="NVIDIA H200")]
+    rows = summarise(one_way + again)
+    speedups = {(r["told_apart_by"], r["layout"]): r["speedup"] for r in rows}
+    assert speedups == {("NVIDIA H100 80GB HBM3, float32", "standard"): 1.0,
+                        ("NVIDIA H100 80GB HBM3, float32", "ladder"): pytest.approx(1.1),
+                        ("NVIDIA H100 80GB HBM3, bfloat16", "standard"): 1.0,
+                        ("NVIDIA H100 80GB HBM3, bfloat16", "ladder"): 1.0,
+                        ("NVIDIA H200, float32", "standard"): 1.0,
+                        ("NVIDIA H200, float32", "ladder"): 1.25}
+    assert "real, NVIDIA H200, float32" in format_summary(rows)
+
+
 def test_hidden_of_layouts_that_took_turns_compares_their_total_times_over_the_same_turns():
     def record(layout, runs, round_, interleaved=True):
         return {"status": "ok", "preset": "tiny", "interconnect": "custom", "emulated": True, "link_scale": 1.0,
@@ -179,12 +200,12 @@ def test_plots_pool_records_as_the_summary_does():
         return {"status": "ok", "preset": "tiny", "interconnect": "real", "emulated": False, "tp": 2,
                 "batch_size": 1, "prompt_len": 8, "gen_len": 4, "layout": layout, "round": round_,
                 "tokens_per_s": sorted(runs)[len(runs) // 2], "tokens_per_s_runs": runs,
-                "decode_token_latency_ms": {"p50": latency_ms}, "env": {"device_name": "cpu"}}
+                "decode_token_latency_ms": {"p50": latency_ms}, "dtype": "float32", "env": {"device_name": "cpu"}}
 
     records = [record("standard", [10, 10], 50.0, 0), record("ladder", [12, 14], 40.0, 0),
                record("standard", [10, 11], 52.0, 1), record("ladder", [20, 19, 18], 30.0, 1)]
     [(panel, points)] = _pooled_points(records).items()
-    assert panel == ("tiny", "real", 8, 4, "cpu", "eager")
+    assert panel == ("tiny", "real", 8, 4, "cpu", "float32", "eager")
     summary = {r["layout"]: r["tokens_per_s"] for r in summarise(records)}
     assert {p.layout: p.tokens_per_s for p in points} == summary == {"standard": 10, "ladder": 18}
     assert {p.layout: p.latency_ms for p in points} == {"standard": 51.0, "ladder": 35.0}
@@ -419,10 +440,11 @@ def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path):
 
 
 def test_the_summary_lists_the_failures_no_later_record_measured():
-    def record(layout, batch, status="ok"):
+    def record(layout, batch, status="ok"):  # as written: a failure has no env, so names no device_name
         return {"status": status, "preset": "tiny", "interconnect": "real", "emulated": False, "tp": 2,
-                "batch_size": batch, "prompt_len": 8, "gen_len": 4, "layout": layout, "round": 0,
-                "tokens_per_s": 10.0, "tokens_per_s_runs": [10.0]} | ({} if status == "ok" else {"error": "too big"})
+                "batch_size": batch, "prompt_len": 8, "gen_len": 4, "layout": layout, "round": 0, "dtype": "float32",
+                "tokens_per_s": 10.0, "tokens_per_s_runs": [10.0]} | (
+                    {"env": {"device_name": "x86_64"}} if status == "ok" else {"error": "too big"})
 
     records = [record("standard", 64, "failed"), record("ladder", 64, "failed"), record("ladder", 4, "failed"),
                record("standard", 4), record("ladder", 4)]  # batch 4's ladder measured again, successfully

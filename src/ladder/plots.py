@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ladder.errors import LadderError, check_creatable
-from ladder.results import decode_step, layout_label, layout_order, link_label, pooled_tokens_per_s
+from ladder.results import decode_step, device_name, layout_label, layout_order, link_label, pooled_tokens_per_s
 
 COLORS = {"standard": "tab:gray", "parallel": "tab:blue", "ladder": "tab:red", "desync": "tab:purple",
           "upper-bound": "tab:green"}
@@ -25,17 +25,17 @@ def _pyplot():
     return plt
 
 
-Panel = tuple  # (preset, link label, prompt_len, gen_len, device name, decode step): results drawn together
+Panel = tuple  # (preset, link label, prompt_len, gen_len, device name, dtype, decode step): results drawn together
 
 
 def _panel(r: dict[str, Any]) -> Panel:
-    return (r["preset"], link_label(r), r["prompt_len"], r["gen_len"], r.get("env", {}).get("device_name", "?"),
+    return (r["preset"], link_label(r), r["prompt_len"], r["gen_len"], device_name(r) or "?", r.get("dtype") or "?",
             decode_step(r))
 
 
 def _panel_title(panel: Panel) -> str:
-    preset, link, prompt_len, gen_len, device_name, step = panel
-    return (f"{preset}, {link}\nprompt {prompt_len}, {gen_len} new tokens\n{device_name}"
+    preset, link, prompt_len, gen_len, device, dtype, step = panel
+    return (f"{preset}, {link}\nprompt {prompt_len}, {gen_len} new tokens\n{device}, {dtype}"
             f"{'' if step == 'eager' else ', ' + step}")
 
 

@@ -70,10 +70,21 @@ def decode_step(r: dict[str, Any]) -> str:
 
 
 def group_key(r: dict[str, Any]) -> tuple:
-    """Results comparable with each other: same model, link, TP, batch, lengths and decode step."""
+    """Results comparable with each other: same model, link, TP, batch, lengths, device, dtype and
+    decode step."""
     dilation = ("share", r["comm_share"]) if r.get("comm_share") is not None else r.get("link_scale", 1.0)
     return (r["preset"], r["interconnect"], dilation, r["tp"], r["batch_size"],
-            r["prompt_len"], r["gen_len"], r.get("device"), decode_step(r))
+            r["prompt_len"], r["gen_len"], r.get("device"), device_name(r), r.get("dtype"), decode_step(r))
+
+
+def device_name(r: dict[str, Any]) -> str | None:
+    """The processor a record was measured on, as torch names it (an H100 and an H200 never pool)."""
+    return (r.get("env") or {}).get("device_name")
+
+
+# What a file's rows are told apart by only when its records differ in it (a sweep run again in
+# bfloat16, or on another GPU, into the same file); a file measured one way shows neither.
+TOLD_APART_BY = ("device_name", "dtype")
 
 
 def link_label(r: dict[str, Any]) -> str:
@@ -109,6 +120,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         tps = {label: pooled_tokens_per_s(rs) for label, rs in by_layout.items()}
         for label, rs in by_layout.items():
             row = {"preset": key[0], "interconnect": key[1], "link": link_label(rs[0]), "emulated": rs[0]["emulated"],
+                   "device_name": device_name(rs[0]), "dtype": rs[0].get("dtype"),
                    "decode_step": key[-1], "tp": key[3], "batch_size": key[4], "layout": label,
                    "tokens_per_s": tps[label], "records": len(rs), "speedup": None, "hidden": None, "hidden_in_run": _pooled_in_run(rs)}
             if "standard" in tps:
@@ -120,8 +132,11 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                     row["hidden_rounds"] = _hidden_per_round(triple)
                     row["hidden_interval"] = hidden_interval(triple)
             rows.append(row)
-    rows.sort(key=lambda r: (r["preset"], r["link"], r["decode_step"], r["tp"], r["batch_size"],
-                             layout_order(r["layout"])))
+    varying = [field for field in TOLD_APART_BY if len({row[field] for row in rows}) > 1]
+    for row in rows:
+        row["told_apart_by"] = ", ".join(str(row[field]) for field in varying)
+    rows.sort(key=lambda r: (r["preset"], r["link"], str(r["device_name"]), str(r["dtype"]), r["decode_step"],
+                             r["tp"], r["batch_size"], layout_order(r["layout"])))
     return rows
 
 
@@ -139,7 +154,11 @@ def failures(records: Sequence[dict[str, Any]]) -> list[str]:
     def measurement(r: dict[str, Any]) -> tuple:
         return group_key(r), layout_label(r), r.get("round", 0)
 
-    measured = {measurement(r) for r in records if r.get("status") == "ok"}
+    def on_any_device(r: dict[str, Any]) -> tuple:  # a failed record names no device_name (no env)
+        return measurement({**r, "env": None})
+
+    ok = [r for r in records if r.get("status") == "ok"]
+    measured = {measurement(r) for r in ok} | {on_any_device(r) for r in ok}
     failed: dict[tuple, list[str]] = {}
     for r in records:
         if r.get("status") == "ok" or measurement(r) in measured:
@@ -269,12 +288,14 @@ def _summary_cells(r: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
     rounds = r.get("hidden_rounds") or []
     spread = f"{min(rounds):.2f}..{max(rounds):.2f}" if rounds else ""
     in_run = f"{r['hidden_in_run']:.2f}" if r.get("hidden_in_run") is not None else ""
-    return link_and_step(r["link"], r.get("decode_step", "eager")), speed, hidden, confidence, spread, in_run
+    cell = link_and_step(r["link"], r.get("decode_step", "eager"), r.get("told_apart_by", ""))
+    return cell, speed, hidden, confidence, spread, in_run
 
 
-def link_and_step(link: str, step: str) -> str:
-    """The interconnect column: the link, and how the decode step ran unless eagerly."""
-    return link if step == "eager" else f"{link}, {step}"
+def link_and_step(link: str, step: str, told_apart_by: str = "") -> str:
+    """The interconnect column: the link, how the decode step ran unless eagerly, and the device or
+    dtype where the file's records differ in them."""
+    return ", ".join(part for part in (link, "" if step == "eager" else step, told_apart_by) if part)
 
 
 def format_summary(rows: list[dict[str, Any]], markdown: bool = False) -> str:
