@@ -284,6 +284,16 @@ def test_plot_files(sweep, tmp_path):
     for name in ("throughput.png", "speedup.png", "pareto.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # Several files are pooled as one: the sweep split in two draws the very same pictures, beside the first.
+    lines = sweep[0].read_text().splitlines(keepends=True)
+    halves = [tmp_path / "split" / "real.jsonl", tmp_path / "emulated.jsonl"]
+    halves[0].parent.mkdir()
+    halves[0].write_text("".join(lines[:6]))
+    halves[1].write_text("".join(lines[6:]))
+    split = ladder_cli("bench", "plot", *map(str, halves))
+    assert split.returncode == 0, split.stderr
+    for name in ("throughput.png", "speedup.png", "pareto.png"):
+        assert (halves[0].parent / name).read_bytes() == (tmp_path / name).read_bytes()
 
 
 def test_a_sweep_of_standard_alone_draws_no_empty_speedup_picture(tmp_path):

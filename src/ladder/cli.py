@@ -406,8 +406,8 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
     from ladder.results import read_bench_records
     from ladder.plots import plot_bench
 
-    records = read_bench_records(Path(args.results))
-    paths, not_drawn = plot_bench(records, Path(args.out_dir) if args.out_dir else None, Path(args.results))
+    records = [r for path in args.results for r in read_bench_records(Path(path))]
+    paths, not_drawn = plot_bench(records, Path(args.out_dir) if args.out_dir else None, Path(args.results[0]))
     print("\n".join(map(str, paths + not_drawn)))
     return 0
 
@@ -678,8 +678,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bp = sub.add_parser("bench-plot", prog="ladder bench plot",
                         help="draw the pictures of a results file (also: ladder bench plot FILE)")
-    bp.add_argument("results", help="a results .jsonl file written by ladder bench")
-    bp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: beside the results)")
+    bp.add_argument("results", nargs="+", help="results files written by ladder bench; the runs of a configuration "
+                    "are pooled across them, as in bench summary")
+    bp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: beside the first results file)")
     bp.set_defaults(func=cmd_bench_plot)
     for command in sub.choices.values():
         say_defaults(command)

@@ -97,7 +97,7 @@ def plot_bench(records: list[dict[str, Any]], out_dir: Path | None = None, resul
     One panel per model shape, interconnect, lengths, device and decode step (`Panel`)."""
     ok = [r for r in records if r.get("status") == "ok"]
     if not ok:
-        raise LadderError("the results file holds no successful measurement to plot")
+        raise LadderError("the results hold no successful measurement to plot")
     out_dir = out_dir or (results_path.parent if results_path else Path("."))
     check_creatable(out_dir / "throughput.png")
     plt = _pyplot()
