@@ -149,6 +149,19 @@ def test_the_listed_degrees_are_exactly_those_that_shard():
     assert get_preset("smollm2-135m").valid_tp_degrees() == [1, 2, 3]  # 9 heads, 3 KV heads, ffn 1536
 
 
+def test_ranks_asked_to_run_on_cpu_are_not_counted_against_the_gpus(monkeypatch):
+    from ladder.launch import check_launchable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device in ("auto", "cuda", None):
+        with pytest.raises(LadderError, match=r"--tp 2 needs 2 GPUs; this machine has 1 \(--device cpu runs"):
+            check_launchable(2, device=device)
+    check_launchable(2, device="cpu")  # gloo on the CPU cores, as on a machine without a GPU
+    with pytest.raises(LadderError, match="--nproc 100000 needs 100000 processes"):
+        check_launchable(100_000, "--nproc", device="cpu")
+
+
 def _rank1_fails_while_rank0_waits() -> None:
     init_distributed("cpu", timeout_s=60)
     try:

@@ -397,7 +397,7 @@ def calibrate_link_scale(point: BenchPoint, share: float, steps: int = 16) -> tu
     like the measured ones (same threads)."""
     from ladder.launch import launch
 
-    compute_s, link_s = launch(_standard_step_times, 1, point, steps, isolate=True)[0]
+    compute_s, link_s = launch(_standard_step_times, 1, point, steps, isolate=True, device=point.device)[0]
     if link_s <= 0:
         raise LadderError(f"--comm-share: {point.preset} at tp={point.tp} sends nothing to dilate")
     return share / (1 - share) * compute_s / link_s, compute_s, link_s
@@ -617,7 +617,7 @@ def sweep_points(presets: Sequence[str], layouts: Sequence[str], tps: Sequence[i
     for point in points:
         config = point.config()
         if not point.emulated:
-            check_launchable(point.tp)
+            check_launchable(point.tp, device=point.device)
         if point.runs < 1 or point.warmup < 0:
             raise LadderError(f"--runs must be >= 1 and --warmup >= 0, got {point.runs} and {point.warmup}")
         if not (math.isfinite(point.link_scale) and point.link_scale > 0):
@@ -665,7 +665,7 @@ def run_group(group: Sequence[BenchPoint], interleave: str = "runs") -> list[dic
         if under_torchrun() and first.emulated:
             results = bench_on_rank(group, interleave)  # every rank measures its own copy; rank 0 reports
         else:
-            results = launch(bench_on_rank, nproc, group, interleave, isolate=True).get(0)
+            results = launch(bench_on_rank, nproc, group, interleave, isolate=True, device=first.device).get(0)
     except RanksDisagree:
         raise  # every configuration after this one would be mismatched too
     except LadderError as exc:

@@ -186,7 +186,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     req = GenerateRequest(model=spec, max_new_tokens=args.max_new_tokens, prompt_ids=prompts, prompt=args.prompt,
                           chat=args.chat, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           stop_ids=stop_ids, compile=args.compile, compile_layers=args.compile_layers)
-    launch(generate_on_rank, spec.tp, req)
+    launch(generate_on_rank, spec.tp, req, device=spec.device)
     return 0
 
 
@@ -239,7 +239,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise LadderError(f"--stride must be between 1 and --window ({args.window}), got {stride}")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise LadderError(f"--max-tokens must be >= 2 (a token is scored given the ones before it), got {args.max_tokens}")
-    result = launch(eval_on_rank, spec.tp, EvalRequest(spec, args.text, args.window, stride, args.max_tokens)).get(0)
+    result = launch(eval_on_rank, spec.tp, EvalRequest(spec, args.text, args.window, stride, args.max_tokens),
+                    device=spec.device).get(0)
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     if args.json:
@@ -521,7 +522,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_train_config(args.config, args.overrides)
     check_creatable(Path(config.out_dir) / "metrics.jsonl")  # before the workers start, not after the first steps
     results = launch(train_on_rank, args.nproc, config, args.resume, not args.no_progress, flag="--nproc",
-                     workers_catch_interrupt=True)
+                     device=config.device, workers_catch_interrupt=True)
     result = results.get(0)
     if result:
         eval_text = (f", held-out loss {result['eval_loss']:.4f} (perplexity {math.exp(result['eval_loss']):.2f})"

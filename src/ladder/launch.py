@@ -92,29 +92,33 @@ def _worker(fn: Callable[..., T], error_dir: str, quietly: bool, environment: di
         raise SystemExit(1)
 
 
-def check_launchable(nproc: int, flag: str = "--tp") -> None:
-    """Refuse a local launch this machine cannot hold: one GPU per rank, or a few ranks per CPU core."""
+def check_launchable(nproc: int, flag: str = "--tp", device: str | None = None) -> None:
+    """Refuse a local launch this machine cannot hold: one GPU per rank, or a few ranks per CPU core.
+    `device` as the command's --device: ranks run on the GPUs unless it is cpu (or there are none)."""
     if nproc < 1:
         raise LadderError(f"{flag} must be >= 1, got {nproc}")
     if under_torchrun():
         return
     cpus = os.cpu_count() or 1
-    if not torch.cuda.is_available() and nproc > 8 * cpus:
+    on_gpus = torch.cuda.is_available() and (device or "auto") != "cpu"
+    if not on_gpus and nproc > 8 * cpus:
         raise LadderError(f"{flag} {nproc} needs {nproc} processes; this machine has {cpus} CPU cores "
                           f"(at most {8 * cpus} ranks can be launched here)")
-    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise LadderError(f"{flag} {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}")
+    if on_gpus and nproc > torch.cuda.device_count():
+        raise LadderError(f"{flag} {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}"
+                          " (--device cpu runs the ranks on its CPU cores)")
 
 
 def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, flag: str = "--tp",
-           workers_catch_interrupt: bool = False) -> dict[int, T]:
+           device: str | None = None, workers_catch_interrupt: bool = False) -> dict[int, T]:
     """Run `fn(*args)` on `nproc` ranks and return {rank: result}.
 
     Under torchrun the current process is one rank: `fn` runs once here and the dict has one entry.
     `fn` must be a module-level function (it is pickled to the workers) and sets up its own process group
     with `ladder.distributed.init_distributed()`. `isolate`: run even a single rank in a fresh
     process (clean peak-memory readings, and a crash or out-of-memory kill cannot take us down).
-    `flag`: the option that asked for `nproc` ranks, as errors name it. On Ctrl-C the workers end at
+    `flag`: the option that asked for `nproc` ranks, as errors name it; `device`: the command's --device
+    (`check_launchable`). On Ctrl-C the workers end at
     once and silently, unless `workers_catch_interrupt`: then `fn` gets KeyboardInterrupt (training
     saves a checkpoint, and handles SIGTERM too), and what it raises with says what it did.
     """
@@ -125,7 +129,7 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, 
         return {int(os.environ["RANK"]): fn(*args)}
     if nproc == 1 and not isolate:
         return {0: fn(*args)}
-    check_launchable(nproc, flag)
+    check_launchable(nproc, flag, device)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
