@@ -33,9 +33,13 @@ def _panel(r: dict[str, Any]) -> Panel:
             decode_step(r))
 
 
+TITLE_LINE_CHARS = 48  # what a 5.5-inch panel holds at the title's font size
+
+
 def _panel_title(panel: Panel) -> str:
     preset, link, prompt_len, gen_len, device, dtype, step = panel
-    return (f"{preset}, {link}\nprompt {prompt_len}, {gen_len} new tokens\n{device}, {dtype}"
+    model_and_link = f"{preset}, {link}" if len(f"{preset}, {link}") <= TITLE_LINE_CHARS else f"{preset}\n{link}"
+    return (f"{model_and_link}\nprompt {prompt_len}, {gen_len} new tokens\n{device}, {dtype}"
             f"{'' if step == 'eager' else ', ' + step}")
 
 
