@@ -546,7 +546,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ladder", description="Ladder-Residual transformers: run, "
                                      "benchmark and convert models with every residual layout.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add_parser in (_generate_parser, _eval_parser, _convert_parser, _bench_parser, _predict_parser,
+                       _train_parser, _train_plot_parser, _bench_summary_parser, _bench_plot_parser):
+        say_defaults(add_parser(sub))
+    return parser
 
+
+def _generate_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder generate`'s options."""
     g = sub.add_parser("generate", help="generate text (or ids) with any model, layout and TP degree")
     add_model_options(g)
     g.add_argument("--chat", metavar="TEXT", help="a user message, wrapped in the model's chat template")
@@ -562,7 +569,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile-layers", action="store_true",
                    help="torch.compile each layer's attention and MLP, one graph for all layers (seconds for any depth)")
     g.set_defaults(func=cmd_generate)
+    return g
 
+
+def _eval_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder eval`'s options."""
     e = sub.add_parser("eval", help="perplexity of a model on a text file")
     add_model_options(e)
     e.add_argument("--text", required=True, help="a UTF-8 text file")
@@ -571,7 +582,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the file")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_eval)
+    return e
 
+
+def _convert_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder convert`'s options."""
     c = sub.add_parser("convert", help="convert a checkpoint to a residual layout, write a Hugging Face folder")
     c.add_argument("src", help="a GGUF file, a Hugging Face folder, or a short name")
     c.add_argument("--out", required=True, help="the folder to write (atomically)")
@@ -580,7 +595,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--desync-reduce", choices=DESYNC_PATTERNS)
     c.add_argument("--force", action="store_true", help="replace --out if it exists")
     c.set_defaults(func=cmd_convert)
+    return c
 
+
+def _bench_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder bench`'s options."""
     b = sub.add_parser("bench", help="throughput sweep over layouts x TP x batch (see also: ladder bench plot)")
     b.add_argument("--preset", default=BENCH_DEFAULTS["preset"], help="model shape(s), comma-separated")
     b.add_argument("--model", help="measure a real checkpoint (GGUF file, Hugging Face folder or short name) "
@@ -634,7 +653,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile-tokens", type=int, default=8, help="new tokens of the profiled run")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
+    return b
 
+
+def _predict_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder predict`'s options."""
     pr = sub.add_parser("predict", help="predict tokens/s per layout from a roofline + link cost model")
     pr.add_argument("--preset", default="llama-3-70b", help=f"model shape, one of: {', '.join(PRESETS)}")
     pr.add_argument("--gpu", default="h100", help="h100, h200 or a100")
@@ -654,7 +677,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one JSON line per prediction (with --validate: the report, one JSON object)")
     pr.add_argument("--validate", action="store_true", help="compare with the paper's held-out table points")
     pr.set_defaults(func=cmd_predict)
+    return pr
 
+
+def _train_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder train`'s options."""
     t = sub.add_parser("train", help="pretrain from a preset or adapt a checkpoint (see also: ladder train plot)",
                        epilog=settings_help())
     t.add_argument("--config", help="a YAML or TOML file of train settings")
@@ -663,29 +690,39 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, default=1, help="data-parallel workers to start on this machine")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
+    return t
 
+
+def _train_plot_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder train plot`'s options."""
     tp_ = sub.add_parser("train-plot", prog="ladder train plot",
                          help="loss curves of runs on one picture (also: ladder train plot RUN...)")
     tp_.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl)")
     tp_.add_argument("--out", default="loss.png", help="the picture to write")
     tp_.set_defaults(func=cmd_train_plot)
+    return tp_
 
+
+def _bench_summary_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder bench summary`'s options."""
     bs = sub.add_parser("bench-summary", prog="ladder bench summary",
                         help="the speedup table of results files, then the configurations that failed "
                              "(also: ladder bench summary FILE...)")
     bs.add_argument("results", nargs="+", help="results files; the runs of a configuration are pooled across them")
     bs.add_argument("--markdown", action="store_true", help="a Markdown table")
     bs.set_defaults(func=cmd_bench_summary)
+    return bs
 
+
+def _bench_plot_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder bench plot`'s options."""
     bp = sub.add_parser("bench-plot", prog="ladder bench plot",
-                        help="draw the pictures of a results file (also: ladder bench plot FILE)")
+                        help="draw the pictures of results files (also: ladder bench plot FILE...)")
     bp.add_argument("results", nargs="+", help="results files written by ladder bench; the runs of a configuration "
                     "are pooled across them, as in bench summary")
     bp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: beside the first results file)")
     bp.set_defaults(func=cmd_bench_plot)
-    for command in sub.choices.values():
-        say_defaults(command)
-    return parser
+    return bp
 
 
 def say_defaults(parser: argparse.ArgumentParser) -> None:
