@@ -72,6 +72,9 @@ def test_summary_speedups_and_hidden_fraction(sweep):
     # The command pools the files it is given (here one file twice: the same runs, the same table).
     once, twice = (ladder_cli("bench", "summary", *[str(sweep[0])] * n) for n in (1, 2))
     assert once.returncode == twice.returncode == 0 and once.stdout == twice.stdout and "95% CI" in once.stdout
+    as_json = ladder_cli("bench", "summary", "--json", str(sweep[0]))
+    assert as_json.returncode == 0 and [json.loads(line) for line in as_json.stdout.splitlines()] == \
+        json.loads(json.dumps(rows))  # the rows themselves, one object each (tuples read back as lists)
     missing = ladder_cli("bench", "summary", str(sweep[0]), str(sweep[0].with_name("none.jsonl")))
     assert missing.returncode == 2 and missing.stderr.strip().endswith("none.jsonl")
 

@@ -392,10 +392,17 @@ def cmd_bench_summary(args: argparse.Namespace) -> int:
 
     records = [r for path in args.results for r in read_bench_records(Path(path))]
     rows = summarise(records)
-    if rows:
-        print(format_summary(rows, markdown=args.markdown))
-    for line in failures(records):
-        print(f"\n{line}" if args.markdown else line)  # a paragraph each below a Markdown table
+    if args.json:  # for scripts: one object per row on stdout, the failures for people on stderr
+        import json
+
+        print("\n".join(json.dumps(row) for row in rows))
+        for line in failures(records):
+            say(line)
+    else:
+        if rows:
+            print(format_summary(rows, markdown=args.markdown))
+        for line in failures(records):
+            print(f"\n{line}" if args.markdown else line)  # a paragraph each below a Markdown table
     if not rows:
         raise LadderError(f"no configuration in {', '.join(args.results)} was measured")
     return 0
@@ -709,7 +716,9 @@ def _bench_summary_parser(sub: Any) -> argparse.ArgumentParser:
                         help="the speedup table of results files, then the configurations that failed "
                              "(also: ladder bench summary FILE...)")
     bs.add_argument("results", nargs="+", help="results files; the runs of a configuration are pooled across them")
-    bs.add_argument("--markdown", action="store_true", help="a Markdown table")
+    how = bs.add_mutually_exclusive_group()
+    how.add_argument("--markdown", action="store_true", help="a Markdown table")
+    how.add_argument("--json", action="store_true", help="one JSON object per row (what the table shows, and more)")
     bs.set_defaults(func=cmd_bench_summary)
     return bs
 
