@@ -886,3 +886,14 @@ def test_the_summary_says_when_there_is_too_little_communication_to_judge_the_hi
                      "so the hidden fraction there is mostly noise; dilate the emulated link to measure it "
                      "(--comm-share 0.25)"]
     assert notes[0] in format_summary(rows, markdown=True)
+    # batch 2: upper bound no faster than standard (noise, on a real link): a blank cell, and why
+    slower = [r | {"batch_size": 2, "interconnect": "real", "emulated": False} for r in records[:2]] + \
+        [records[2] | {"batch_size": 2, "interconnect": "real", "emulated": False, "tokens_per_s": 99.0}]
+    rows = summarise(slower)
+    assert [r["hidden"] for r in rows if r["layout"] == "ladder"] == [None]
+    assert [line for line in format_summary(rows).splitlines() if line.startswith("note:")] == [
+        "note: tiny real tp=2 batch 2: upper bound measured no faster than standard, so no communication was "
+        "seen to hide; measure more runs, in turns (--interleave steps --rounds 3)"]
+    dilated = [r | {"interconnect": "pcie-no-p2p", "emulated": True, "comm_share": 0.25} for r in slower]
+    note = [line for line in format_summary(summarise(dilated)).splitlines() if line.startswith("note:")]
+    assert note[0].endswith("hide; measure more runs, in turns (--interleave steps --rounds 3)")  # dilated already

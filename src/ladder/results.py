@@ -120,7 +120,8 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         tps = {label: pooled_tokens_per_s(rs) for label, rs in by_layout.items()}
         for label, rs in by_layout.items():
             row = {"preset": key[0], "interconnect": key[1], "link": link_label(rs[0]), "emulated": rs[0]["emulated"],
-                   "device_name": device_name(rs[0]), "dtype": rs[0].get("dtype"),
+                   "comm_share": rs[0].get("comm_share"), "device_name": device_name(rs[0]),
+                   "dtype": rs[0].get("dtype"),
                    "decode_step": key[-1], "tp": key[3], "batch_size": key[4], "layout": label,
                    "tokens_per_s": tps[label], "records": len(rs), "speedup": None, "hidden": None, "hidden_in_run": _pooled_in_run(rs)}
             if "standard" in tps:
@@ -334,14 +335,23 @@ SMALL_COMMUNICATION_SHARE = 0.05  # of standard's time: below it, t_standard - t
 
 
 def little_to_hide(rows: list[dict[str, Any]]) -> list[str]:
-    """A note for each ladder row with a hidden fraction although communication is a small share of
-    standard's time (1 - t_upper_bound / t_standard): there the fraction divides noise by a small
-    difference, and compute dominates the comparison."""
+    """A note for each ladder row whose hidden fraction cannot be judged: communication is a small share
+    of standard's time (1 - t_upper_bound / t_standard), so the fraction divides noise by a small
+    difference and compute dominates the comparison; or upper bound measured no faster than standard,
+    so there was nothing to see hidden and the cell is blank."""
     notes = []
     for r in rows:
-        if r["hidden"] is not None and r["communication_share"] < SMALL_COMMUNICATION_SHARE:
-            dilate = "; dilate the emulated link to measure it (--comm-share 0.25)" if r["emulated"] else ""
-            notes.append(f"note: {r['preset']} {r['link']} tp={r['tp']} batch {r['batch_size']}: communication is "
-                         f"{r['communication_share']:.1%} of standard's time, so the hidden fraction there is "
-                         f"mostly noise{dilate}")
+        share = r.get("communication_share")  # set on ladder rows measured beside both baselines
+        if share is None or (r["hidden"] is not None and share >= SMALL_COMMUNICATION_SHARE):
+            continue
+        undilated = r["emulated"] and r["comm_share"] is None
+        remedy = ("dilate the emulated link to measure it (--comm-share 0.25)" if undilated
+                  else "measure more runs, in turns (--interleave steps --rounds 3)")
+        where = f"note: {r['preset']} {r['link']} tp={r['tp']} batch {r['batch_size']}"
+        if r["hidden"] is None:
+            notes.append(f"{where}: upper bound measured no faster than standard, so no communication was seen "
+                         f"to hide; {remedy}")
+        else:
+            notes.append(f"{where}: communication is {share:.1%} of standard's time, so the hidden fraction "
+                         f"there is mostly noise; {remedy}")
     return notes
