@@ -158,6 +158,8 @@ def test_ranks_asked_to_run_on_cpu_are_not_counted_against_the_gpus(monkeypatch)
         with pytest.raises(LadderError, match=r"--tp 2 needs 2 GPUs; this machine has 1 \(--device cpu runs"):
             check_launchable(2, device=device)
     check_launchable(2, device="cpu")  # gloo on the CPU cores, as on a machine without a GPU
+    with pytest.raises(LadderError, match=r"--nproc 2 needs 2 GPUs; this machine has 1 \(device=cpu runs"):
+        check_launchable(2, "--nproc", device="auto")  # ladder train's setting, not an option
     with pytest.raises(LadderError, match="--nproc 100000 needs 100000 processes"):
         check_launchable(100_000, "--nproc", device="cpu")
 

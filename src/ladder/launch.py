@@ -105,8 +105,9 @@ def check_launchable(nproc: int, flag: str = "--tp", device: str | None = None) 
         raise LadderError(f"{flag} {nproc} needs {nproc} processes; this machine has {cpus} CPU cores "
                           f"(at most {8 * cpus} ranks can be launched here)")
     if on_gpus and nproc > torch.cuda.device_count():
+        on_cpu = "device=cpu" if flag == "--nproc" else "--device cpu"  # train takes settings, the rest options
         raise LadderError(f"{flag} {nproc} needs {nproc} GPUs; this machine has {torch.cuda.device_count()}"
-                          " (--device cpu runs the ranks on its CPU cores)")
+                          f" ({on_cpu} runs the ranks on its CPU cores)")
 
 
 def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, flag: str = "--tp",
