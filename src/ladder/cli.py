@@ -388,9 +388,9 @@ def report_sweep(records: list[dict[str, Any]], done: dict[str, dict[str, Any]],
 
 
 def cmd_bench_summary(args: argparse.Namespace) -> int:
-    from ladder.results import failures, format_summary, read_bench_records, summarise
+    from ladder.results import failures, format_summary, read_bench_files, summarise
 
-    records = [r for path in args.results for r in read_bench_records(Path(path))]
+    records = read_bench_files(args.results)
     rows = summarise(records)
     if args.json:  # for scripts: one object per row on stdout, the failures for people on stderr
         import json
@@ -411,10 +411,10 @@ def cmd_bench_summary(args: argparse.Namespace) -> int:
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ladder.results import read_bench_records
+    from ladder.results import read_bench_files
     from ladder.plots import plot_bench
 
-    records = [r for path in args.results for r in read_bench_records(Path(path))]
+    records = read_bench_files(args.results)
     paths, not_drawn = plot_bench(records, Path(args.out_dir) if args.out_dir else None, Path(args.results[0]))
     print("\n".join(map(str, paths + not_drawn)))
     return 0

@@ -318,16 +318,16 @@ class Transformer(nn.Module):
         # the interpreter runs cold and each Python call costs microseconds that upper bound never pays.
         first_ladder_module = 2 * self.config.first_ladder_layer
         # The modules whose output the next module does not wait for: every ladder one, and the last
-        # standard one before them (none in a standard model: its last output is waited for at once).
-        first_overlapped = first_ladder_module - 1 if first_ladder_module < 2 * self.config.n_layers else None
+        # standard one before them (none in a standard model: 2 * n_layers is past its last module).
+        n_modules = 2 * self.config.n_layers
+        first_overlapped = first_ladder_module - 1 if first_ladder_module < n_modules else n_modules
         comm = self.comm
         for j, module in self._residual_modules(rope, input_pos, mask):
             stale = j >= first_ladder_module
             while len(pending) > (1 if stale else 0):
                 r = r + pending.pop(0).wait(after=y)
             y = module(r)  # (B, T, dim), partial sum of this rank
-            overlapped = first_overlapped is not None and j >= first_overlapped
-            pending.append(comm.all_reduce_async(y) if overlapped else Done(comm.all_reduce(y)))
+            pending.append(comm.all_reduce_async(y) if j >= first_overlapped else Done(comm.all_reduce(y)))
         for handle in pending:  # only the last all-reduce is exposed
             r = r + handle.wait(after=y)
         return r

@@ -25,6 +25,11 @@ RECORD_FIELDS = ("status", "preset", "layout", "interconnect", "tp", "batch_size
 MEASURED_FIELDS = ("tokens_per_s",)
 
 
+def read_bench_files(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """`read_bench_records` of several files, in order: their runs pool as one file's would."""
+    return [record for path in paths for record in read_bench_records(Path(path))]
+
+
 def read_bench_records(path: Path) -> list[dict[str, Any]]:
     """`read_results`, refusing in one line a file that is not `ladder bench`'s (a training run's
     metrics.jsonl, say) rather than failing on the first field it lacks."""
@@ -152,14 +157,10 @@ def layout_order(label: str) -> tuple[int, int, str]:
 def failures(records: Sequence[dict[str, Any]]) -> list[str]:
     """A line for each failed configuration no later record measured (what the summary table lacks, and
     why), its layouts that failed alike on one line."""
-    def measurement(r: dict[str, Any]) -> tuple:
-        return group_key(r), layout_label(r), r.get("round", 0)
+    def measurement(r: dict[str, Any]) -> tuple:  # without env: a failed record has none, so no device_name
+        return group_key({**r, "env": None}), layout_label(r), r.get("round", 0)
 
-    def on_any_device(r: dict[str, Any]) -> tuple:  # a failed record names no device_name (no env)
-        return measurement({**r, "env": None})
-
-    ok = [r for r in records if r.get("status") == "ok"]
-    measured = {measurement(r) for r in ok} | {on_any_device(r) for r in ok}
+    measured = {measurement(r) for r in records if r.get("status") == "ok"}
     failed: dict[tuple, list[str]] = {}
     for r in records:
         if r.get("status") == "ok" or measurement(r) in measured:
