@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 
 from ladder.costmodel import (GPUS, HELD_OUT_BATCHES, TRAIN_BATCHES, Workload, fit_on_paper, fitted_constants,
-                              UNSEEN_SETTINGS, paper_table, predict_table, predict_tokens_per_s, validate,
+                              UNSEEN_SETTINGS, get_gpu, paper_table, predict_table, predict_tokens_per_s, validate,
                               validate_unseen)
 from ladder.config import get_preset
 from ladder.interconnect import get_link
@@ -166,6 +166,31 @@ def test_every_prediction_states_the_validated_accuracy():
         assert f"{sum(p['within'] for p in unseen['points'])}/{len(unseen['points'])} on {name}" in footer
 
 
+def test_a_custom_gpu_is_the_roofline_of_its_numbers():
+    """`--gpu custom` with the H100's own numbers predicts what h100 does; more memory bandwidth speeds up
+    the memory-bound batch-1 decode, fewer FLOP/s slow down the compute-bound batch-64 prefill, and less
+    memory turns the rows that no longer fit."""
+    h100 = GPUS["h100"]
+    table = lambda gpu: predict_table("llama-3-70b", gpu, get_link("nvlink-h100"), 8, [1, 64], ["standard"], 1024, 512)
+    as_given = get_gpu("custom", h100.hbm_bytes_per_s / 1e12, h100.bf16_flops_per_s / 1e12, h100.memory_bytes / 2**30)
+    assert [r["tokens_per_s"] for r in table(as_given)] == pytest.approx([r["tokens_per_s"] for r in table(h100)])
+    (b1, b64) = table(h100)
+    (faster_memory_b1, _) = table(get_gpu("h100", memory_tbps=2 * h100.hbm_bytes_per_s / 1e12))
+    (_, fewer_flops_b64) = table(get_gpu("h100", tflops=h100.bf16_flops_per_s / 1e12 / 4))
+    assert faster_memory_b1["tokens_per_s"] > 1.3 * b1["tokens_per_s"]
+    assert fewer_flops_b64["tokens_per_s"] < 0.8 * b64["tokens_per_s"]
+    assert [r["fits"] for r in table(get_gpu("h100", memory_gib=24))] == [True, False]  # 20.0 and 30.4 GiB
+
+
+def test_predict_on_another_gpu_says_the_accuracy_is_the_h100s():
+    out = ladder_cli("predict", "--gpu", "custom", "--gpu-memory-tbps", "4", "--gpu-tflops", "148",
+                     "--gpu-memory-gib", "96", "--batch-sizes", "1", "--layouts", "standard,ladder")
+    assert out.returncode == 0, out.stderr
+    assert "llama-3-70b on custom (4 TB/s, 148 TFLOP/s, 96 GiB)" in out.stdout
+    assert "all on H100s; on custom the H100's fitted efficiencies and overheads are assumed" in out.stdout
+    assert "all on H100s" not in ladder_cli("predict", "--batch-sizes", "1").stdout
+
+
 def test_validate_json_is_the_report_of_the_api():
     out = ladder_cli("predict", "--validate", "--json")
     assert out.returncode == 0, out.stderr
@@ -178,7 +203,9 @@ def test_validate_json_is_the_report_of_the_api():
     (["--batch-sizes", "0"], "batch sizes, --prompt-len and --gen-len must be >= 1"),
     (["--gen-len", "0"], "batch sizes, --prompt-len and --gen-len must be >= 1"),
     (["--tp", "3"], "ffn_hidden 28672 is not divisible by tensor-parallel degree 3"),
-    (["--gpu", "b300"], "unknown gpu 'b300'; known: h100"),
+    (["--gpu", "b300"], "unknown gpu 'b300'; known: h100, h200, a100, custom"),
+    (["--gpu", "custom", "--gpu-tflops", "148"], "--gpu custom needs --gpu-memory-tbps, --gpu-memory-gib"),
+    (["--gpu", "h100", "--gpu-memory-gib", "0"], "--gpu-memory-gib must be > 0, got 0"),
     (["--interconnect", "real"], "ladder predict needs a link model"),
     (["--layouts", "ladder,desync"], "the cost model knows standard, parallel, ladder and upper-bound, not 'desync'"),
     (["--ladder-layers", "81"], "--ladder-layers must be between 0 and llama-3-70b's 80 layers, got 81"),

@@ -442,7 +442,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
                       args.link_bandwidth_gbps)
     if None in links:
         raise LadderError("ladder predict needs a link model: --interconnect nvlink-h100, pcie-no-p2p, ... or custom")
-    gpu, tps = get_gpu(args.gpu), parse_list(args.tp, int, "--tp")
+    gpu = get_gpu(args.gpu, args.gpu_memory_tbps, args.gpu_tflops, args.gpu_memory_gib)
+    tps = parse_list(args.tp, int, "--tp")
     batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
     layouts = parse_list(args.layouts, str, "--layouts")
     hybrids = parse_hybrids(args.ladder_layers)
@@ -454,15 +455,25 @@ def cmd_predict(args: argparse.Namespace) -> int:
             print(json.dumps(row))
         return 0
     hybrid = "" if hybrids is None else ", ladder[N]: ladder on the last N layers"
-    print(f"predicted (cost model, not measured): {args.preset} on {args.gpu}, prompt {args.prompt_len}, "
+    print(f"predicted (cost model, not measured): {args.preset} on {describe_gpu(gpu)}, prompt {args.prompt_len}, "
           f"{args.gen_len} new tokens{hybrid}")
     print(format_predictions(rows))
     if not all(r["fits"] for r in rows):
         from ladder.bench import MEMORY_USABLE
         print(f"does not fit: one rank needs more than {MEMORY_USABLE:.0%} of one {gpu.name}'s "
               f"{gpu.memory_bytes / 2**30:.1f} GiB (weights, KV cache and the prefill's activations)")
-    print(stored_accuracy())
+    print(stored_accuracy(gpu))
     return 0
+
+
+def describe_gpu(gpu: Any) -> str:
+    """A preset by its name; a GPU given by numbers (custom, or a preset overridden) with them."""
+    from ladder.costmodel import GPUS
+
+    if GPUS.get(gpu.name) == gpu:
+        return gpu.name
+    return (f"{gpu.name} ({gpu.hbm_bytes_per_s / 1e12:g} TB/s, {gpu.bf16_flops_per_s / 1e12:g} TFLOP/s, "
+            f"{gpu.memory_bytes / 2**30:g} GiB)")
 
 
 def format_validation(held_out: dict[str, Any], unseen: list[dict[str, Any]]) -> str:
@@ -667,7 +678,10 @@ def _predict_parser(sub: Any) -> argparse.ArgumentParser:
     """`ladder predict`'s options."""
     pr = sub.add_parser("predict", help="predict tokens/s per layout from a roofline + link cost model")
     pr.add_argument("--preset", default="llama-3-70b", help=f"model shape, one of: {', '.join(PRESETS)}")
-    pr.add_argument("--gpu", default="h100", help="h100, h200 or a100")
+    pr.add_argument("--gpu", default="h100", help="h100, h200, a100 or custom")
+    pr.add_argument("--gpu-memory-tbps", type=float, help="custom GPU: memory (HBM) bandwidth in TB/s")
+    pr.add_argument("--gpu-tflops", type=float, help="custom GPU: dense BF16 TFLOP/s")
+    pr.add_argument("--gpu-memory-gib", type=float, help="custom GPU: memory in GiB")
     pr.add_argument("--interconnect", default="nvlink-h100",
                     help="nvlink-h100, pcie-p2p, pcie-no-p2p, infiniband-ndr or custom; comma-separated to compare")
     pr.add_argument("--link-latency-us", type=float, help="custom link: latency per all-reduce (us)")

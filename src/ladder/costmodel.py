@@ -56,10 +56,28 @@ GPUS = {
 P2P_LINKS = {"on": "nvlink-h100", "off": "pcie-no-p2p"}  # the paper's two conditions
 
 
-def get_gpu(name: str) -> GPU:
+def get_gpu(name: str, memory_tbps: float | None = None, tflops: float | None = None,
+            memory_gib: float | None = None) -> GPU:
+    """The GPU of `--gpu`: a preset (its numbers overridden where given), or `custom` from the three
+    numbers (HBM bandwidth in TB/s, dense BF16 TFLOP/s, memory in GiB)."""
+    given = {"--gpu-memory-tbps": memory_tbps, "--gpu-tflops": tflops, "--gpu-memory-gib": memory_gib}
+    for flag, value in given.items():
+        if value is not None and value <= 0:
+            raise LadderError(f"{flag} must be > 0, got {value:g}")
+    if name == "custom":
+        missing = [flag for flag, value in given.items() if value is None]
+        if missing:
+            raise LadderError(f"--gpu custom needs {', '.join(missing)}")
+        return GPU("custom", memory_tbps * 1e12, tflops * 1e12, int(memory_gib * 2**30), "given on the command line")
     if name not in GPUS:
-        raise LadderError(f"unknown gpu {name!r}; known: {', '.join(GPUS)}")
-    return GPUS[name]
+        raise LadderError(f"unknown gpu {name!r}; known: {', '.join(GPUS)}, custom")
+    gpu = GPUS[name]
+    if all(value is None for value in given.values()):
+        return gpu
+    return replace(gpu, name=gpu.name + "*", source=gpu.source + " (overridden)",
+                   hbm_bytes_per_s=gpu.hbm_bytes_per_s if memory_tbps is None else memory_tbps * 1e12,
+                   bf16_flops_per_s=gpu.bf16_flops_per_s if tflops is None else tflops * 1e12,
+                   memory_bytes=gpu.memory_bytes if memory_gib is None else int(memory_gib * 2**30))
 
 
 @dataclass(frozen=True)
@@ -303,16 +321,21 @@ def score(report: dict[str, Any]) -> str:
     return f"{sum(p['within'] for p in report['points'])}/{len(report['points'])}"
 
 
-def stored_accuracy() -> str:
+def stored_accuracy(gpu: GPU = GPUS["h100"]) -> str:
     """Two lines on how close the stored fit comes to the paper's speedups (from its validation in
-    costmodel-fit.json), printed under every prediction so no table is read as exact."""
+    costmodel-fit.json), printed under every prediction so no table is read as exact; a third for a
+    GPU other than the H100 all of them were measured on."""
     stored = _stored_fit()
     held_out = stored["validation"]
     worst = max(abs(p["error"]) for p in held_out["points"])
     unseen = " and ".join(f"{score(report)} on {name}" for name, report in stored["unseen"].items())
-    return (f"accuracy: speedups within {held_out['tolerance']} of the paper's on {score(held_out)} held-out "
-            f"llama-3-70b points (worst off by {worst:.2f}),\n"
-            f"          {unseen}, never fitted (ladder predict --validate)")
+    lines = (f"accuracy: speedups within {held_out['tolerance']} of the paper's on {score(held_out)} held-out "
+             f"llama-3-70b points (worst off by {worst:.2f}),\n"
+             f"          {unseen}, never fitted (ladder predict --validate)")
+    if gpu != GPUS["h100"]:
+        lines += (f"\n          all on H100s; on {gpu.name} the H100's fitted efficiencies and overheads are "
+                  "assumed, not measured")
+    return lines
 
 
 def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: list[int],
