@@ -191,6 +191,31 @@ def test_predict_on_another_gpu_says_the_accuracy_is_the_h100s():
     assert "all on H100s" not in ladder_cli("predict", "--batch-sizes", "1").stdout
 
 
+def test_predict_reads_a_checkpoints_shape_from_its_config_json_alone(tmp_path):
+    """A user predicting a model too large to download needs only its config.json: the shape read from
+    it predicts what the preset of that shape does, under the checkpoint's name."""
+    from ladder.checkpoint import config_to_hf, read_shape
+
+    folder = tmp_path / "Meta-Llama-3-70B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config_to_hf(get_preset("llama-3-70b"))))
+    rows = lambda name, config=None: predict_table(name, GPUS["h100"], get_link("pcie-no-p2p"), 8, [1, 64],
+                                                   ["standard", "ladder"], 1024, 512, config=config)
+    from_checkpoint = rows("Meta-Llama-3-70B", read_shape(str(folder / "config.json")))
+    assert from_checkpoint == [{**r, "preset": "Meta-Llama-3-70B"} for r in rows("llama-3-70b")]
+    out = ladder_cli("predict", "--model", str(folder), "--tp", "8", "--batch-sizes", "1,64", "--layouts",
+                     "standard,ladder", "--interconnect", "pcie-no-p2p", "--json")
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line) for line in out.stdout.splitlines()] == json.loads(json.dumps(from_checkpoint))
+
+
+def test_predict_of_a_checkpoint_that_is_not_a_llama_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+    out = ladder_cli("predict", "--model", str(tmp_path / "config.json"))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "model_type 'mistral'" in out.stderr and "not supported" in out.stderr
+
+
 def test_validate_json_is_the_report_of_the_api():
     out = ladder_cli("predict", "--validate", "--json")
     assert out.returncode == 0, out.stderr

@@ -333,14 +333,28 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     return d
 
 
-def open_hf(folder: Path) -> Checkpoint:
-    config_path = folder / "config.json"
+def read_hf_config(config_path: Path, label: str) -> ModelConfig:
     if not config_path.is_file():
-        raise LadderError(f"{folder} has no config.json (not a Hugging Face checkpoint folder)")
+        raise LadderError(f"{config_path.parent} has no config.json (not a Hugging Face checkpoint folder)")
     try:
-        config = config_from_hf(json.loads(config_path.read_text()), folder.name)
+        return config_from_hf(json.loads(config_path.read_text()), label)
     except json.JSONDecodeError as exc:
         raise LadderError(f"{config_path} is not valid JSON ({exc})") from None
+
+
+def read_shape(name_or_path: str) -> ModelConfig:
+    """A checkpoint's shape without its weights: a Hugging Face folder, or its config.json alone (all
+    `ladder predict` needs of a model too large to download), or a GGUF file."""
+    path = resolve_model(name_or_path)
+    if path.is_dir():
+        return read_hf_config(path / "config.json", path.name)
+    if path.suffix == ".json":
+        return read_hf_config(path, path.parent.name)
+    return open_checkpoint(name_or_path).config
+
+
+def open_hf(folder: Path) -> Checkpoint:
+    config = read_hf_config(folder / "config.json", folder.name)
     source = SafetensorsSource(_safetensors_files(folder))
     _check_shapes(folder.name, config, source)
     tokenizer = TextTokenizer.from_hf_folder(folder) if (folder / "tokenizer.json").is_file() else None

@@ -447,15 +447,20 @@ def cmd_predict(args: argparse.Namespace) -> int:
     batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
     layouts = parse_list(args.layouts, str, "--layouts")
     hybrids = parse_hybrids(args.ladder_layers)
+    model, shape = args.preset, None
+    if args.model is not None:
+        from ladder.checkpoint import read_shape
+
+        model, shape = model_label(args.model), read_shape(args.model)
     rows = [row for link in links for tp in tps
-            for row in predict_table(args.preset, gpu, link, tp, batch_sizes, layouts, args.prompt_len, args.gen_len,
-                                     ladder_layers=hybrids)]
+            for row in predict_table(model, gpu, link, tp, batch_sizes, layouts, args.prompt_len, args.gen_len,
+                                     ladder_layers=hybrids, config=shape)]
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
     hybrid = "" if hybrids is None else ", ladder[N]: ladder on the last N layers"
-    print(f"predicted (cost model, not measured): {args.preset} on {describe_gpu(gpu)}, prompt {args.prompt_len}, "
+    print(f"predicted (cost model, not measured): {model} on {describe_gpu(gpu)}, prompt {args.prompt_len}, "
           f"{args.gen_len} new tokens{hybrid}")
     print(format_predictions(rows))
     if not all(r["fits"] for r in rows):
@@ -464,6 +469,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
               f"{gpu.memory_bytes / 2**30:.1f} GiB (weights, KV cache and the prefill's activations)")
     print(stored_accuracy(gpu))
     return 0
+
+
+def model_label(name_or_path: str) -> str:
+    """How tables name a checkpoint: its file or folder (the folder of a bare config.json)."""
+    path = Path(name_or_path)
+    return path.parent.name if path.name == "config.json" else path.name
 
 
 def describe_gpu(gpu: Any) -> str:
@@ -678,6 +689,8 @@ def _predict_parser(sub: Any) -> argparse.ArgumentParser:
     """`ladder predict`'s options."""
     pr = sub.add_parser("predict", help="predict tokens/s per layout from a roofline + link cost model")
     pr.add_argument("--preset", default="llama-3-70b", help=f"model shape, one of: {', '.join(PRESETS)}")
+    pr.add_argument("--model", help="predict a checkpoint's shape instead of --preset: a Hugging Face folder or "
+                    "just its config.json, a GGUF file, or a short name")
     pr.add_argument("--gpu", default="h100", help="h100, h200, a100 or custom")
     pr.add_argument("--gpu-memory-tbps", type=float, help="custom GPU: memory (HBM) bandwidth in TB/s")
     pr.add_argument("--gpu-tflops", type=float, help="custom GPU: dense BF16 TFLOP/s")

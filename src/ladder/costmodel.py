@@ -340,12 +340,12 @@ def stored_accuracy(gpu: GPU = GPUS["h100"]) -> str:
 
 def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: list[int],
                   layouts: list[str], prompt_len: int, gen_len: int,
-                  constants: CostConstants | None = None, ladder_layers: Sequence[int] | None = None
-                  ) -> list[dict[str, Any]]:
+                  constants: CostConstants | None = None, ladder_layers: Sequence[int] | None = None,
+                  config: ModelConfig | None = None) -> list[dict[str, Any]]:
     """Predicted tokens/s for each (batch, layout): in all, per GPU, the speedup over standard and,
     for ladder, the share of standard's communication it hides (the paper's definition, as `ladder
     bench` reports it). `ladder_layers`: instead of whole ladder, a hybrid (ladder on the last N layers
-    only) for each N.
+    only) for each N. `config`: a shape that is no preset's (a checkpoint's), `preset` its label.
     `memory_bytes_per_gpu` is `ladder bench`'s estimate of one rank's peak, and
     `fits` whether that stays within the share of the GPU's memory `ladder bench` allows itself: the
     roofline knows no memory limit, so a row that does not fit predicts a run that cannot happen."""
@@ -353,7 +353,7 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     from ladder.results import hidden_fraction
 
     constants = constants or fitted_constants()
-    config = get_preset(preset)
+    config = config or get_preset(preset)
     config.check_tp(tp)
     if min(batch_sizes) < 1 or prompt_len < 1 or gen_len < 1:
         raise LadderError("batch sizes, --prompt-len and --gen-len must be >= 1")
