@@ -408,6 +408,33 @@ def cmd_bench_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_link(args: argparse.Namespace) -> int:
+    import json
+
+    from ladder.distributed import pick_device, print_rank0
+    from ladder.linkbench import (describe_fit, fit_measured_link, format_timings, measure_link, parse_size,
+                                  report)
+
+    tps = parse_list(args.tp, int, "--tp")
+    sizes = [parse_size(text) for text in parse_list(args.sizes, str, "--sizes")]
+    device = pick_device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not args.json:
+        print_rank0(f"ladder bench link: all-reduce of {dtype} on {device.type} ({backend}), tp "
+                    f"{', '.join(map(str, tps))}: {args.warmup} warm-up + {args.iters} timed each, one at a time; "
+                    "the slowest rank's median")
+    timings = measure_link(tps, sizes, dtype, args.device, args.warmup, args.iters)
+    link = fit_measured_link(timings, f"{os.uname().nodename} ({device.type}, {backend})")
+    if args.json:
+        print_rank0(json.dumps(report(timings, link)))
+    else:
+        print_rank0(format_timings(timings, link))
+        for line in describe_fit(link, timings):
+            print_rank0(line)
+    return 0
+
+
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -576,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "benchmark and convert models with every residual layout.")
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser in (_generate_parser, _eval_parser, _convert_parser, _bench_parser, _predict_parser,
-                       _train_parser, _train_plot_parser, _bench_summary_parser, _bench_plot_parser):
+                       _train_parser, _train_plot_parser, _bench_summary_parser, _bench_plot_parser,
+                       _bench_link_parser):
         say_defaults(add_parser(sub))
     return parser
 
@@ -629,7 +657,8 @@ def _convert_parser(sub: Any) -> argparse.ArgumentParser:
 
 def _bench_parser(sub: Any) -> argparse.ArgumentParser:
     """`ladder bench`'s options."""
-    b = sub.add_parser("bench", help="throughput sweep over layouts x TP x batch (see also: ladder bench plot)")
+    b = sub.add_parser("bench", help="throughput sweep over layouts x TP x batch (see also: ladder bench plot, "
+                       "summary and link)")
     b.add_argument("--preset", default=BENCH_DEFAULTS["preset"], help="model shape(s), comma-separated")
     b.add_argument("--model", help="measure a real checkpoint (GGUF file, Hugging Face folder or short name) "
                                    "instead of random weights of --preset")
@@ -761,6 +790,24 @@ def _bench_plot_parser(sub: Any) -> argparse.ArgumentParser:
     return bp
 
 
+def _bench_link_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder bench link`'s options."""
+    from ladder.linkbench import DEFAULT_SIZES
+
+    bl = sub.add_parser("bench-link", prog="ladder bench link",
+                        help="time this machine's all-reduce by message size and fit the link model "
+                             "--interconnect custom takes (also: ladder bench link)")
+    bl.add_argument("--tp", default="2", help="comma-separated numbers of ranks to time it over")
+    bl.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes in bytes (K, M, G: KiB...)")
+    bl.add_argument("--device", default="auto", help="cpu (gloo), cuda (NCCL) or auto")
+    bl.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    bl.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size")
+    bl.add_argument("--iters", type=int, default=20, help="timed all-reduces per size")
+    bl.add_argument("--json", action="store_true", help="one JSON object: the timings and the fitted link")
+    bl.set_defaults(func=cmd_bench_link)
+    return bl
+
+
 def say_defaults(parser: argparse.ArgumentParser) -> None:
     """Make --help name every option's default (argparse prints none, and none for options without help)."""
     for action in parser._actions:
@@ -784,7 +831,7 @@ def exit_status(stop: BaseException) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] in (["bench", "plot"], ["bench", "summary"], ["train", "plot"]):  # reads better
+    if argv[:2] in (["bench", "plot"], ["bench", "summary"], ["bench", "link"], ["train", "plot"]):  # reads better
         argv = [f"{argv[0]}-{argv[1]}", *argv[2:]]
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

@@ -64,20 +64,22 @@ Collectives = list[tuple[float, int]]  # (how many, bytes each) all-reduces of o
 def fit_link(name: str, measurements: list[tuple[int, Collectives, float]], source: str) -> LinkModel:
     """Least-squares link model through measurements (world_size, all-reduces, total microseconds):
     each says that running those all-reduces took that long. Linear in (latency, per-rank latency,
-    1 / bandwidth), so this is one linear least-squares solve."""
+    1 / bandwidth), so this is one linear least-squares solve. Measurements at one world size cannot
+    tell latency from per-rank latency: the latency is then that world size's, the same at every other."""
+    one_world_size = len({n for n, _, _ in measurements}) == 1
     rows, totals = [], []
     for n, collectives, total_us in measurements:
         count = sum(c for c, _ in collectives)
         traffic = sum(c * 2 * (n - 1) / n * b for c, b in collectives)
-        rows.append([count, count * (n - 2.0), traffic])
+        rows.append([count, traffic] if one_world_size else [count, count * (n - 2.0), traffic])
         totals.append(total_us)
     a = torch.tensor(rows, dtype=torch.float64)
     y = torch.tensor(totals, dtype=torch.float64)
     weight = 1.0 / y  # relative errors: small and large measurements count alike
     a, y = a * weight[:, None], y * weight
     scale = a.abs().max(dim=0).values  # columns differ by orders of magnitude
-    sol = torch.linalg.lstsq(a / scale, y[:, None]).solution[:, 0] / scale
-    latency, per_rank, us_per_byte = (float(v) for v in sol)
+    sol = [float(v) for v in torch.linalg.lstsq(a / scale, y[:, None]).solution[:, 0] / scale]
+    latency, per_rank, us_per_byte = (sol[0], 0.0, sol[1]) if one_world_size else sol
     # Rounded far below any physical meaning: the solve's last bits vary from run to run (threaded
     # BLAS), and results files name a link by its numbers (`ladder bench --resume` matches on them).
     return LinkModel(name, round(latency, 6), round(1.0 / us_per_byte / 1e3, 6), round(per_rank, 6), source)
