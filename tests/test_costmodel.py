@@ -1,14 +1,16 @@
 """The cost model: stored constants come from the fit, held-out error on the paper's table."""
 
 import json
+import math
+import random
 from dataclasses import asdict
 from importlib import resources
 
 import pytest
 
-from ladder.costmodel import (GPUS, HELD_OUT_BATCHES, TRAIN_BATCHES, Workload, fit_on_paper, fitted_constants,
-                              UNSEEN_SETTINGS, get_gpu, paper_table, predict_table, predict_tokens_per_s, validate,
-                              validate_unseen)
+from ladder.costmodel import (BOUNDS, GPUS, HELD_OUT_BATCHES, TRAIN_BATCHES, CostConstants, Workload, fit_constants,
+                              fit_error, fit_on_paper, fitted_constants, UNSEEN_SETTINGS, get_gpu, paper_table,
+                              predict_table, predict_tokens_per_s, validate, validate_unseen)
 from ladder.config import get_preset
 from ladder.interconnect import get_link
 
@@ -19,8 +21,22 @@ def test_stored_constants_are_the_fit_of_the_training_split():
     stored = asdict(fitted_constants())
     fresh = asdict(fit_on_paper())
     assert stored.keys() == fresh.keys()
-    for name in stored:
-        assert fresh[name] == pytest.approx(stored[name], rel=1e-6), name
+    for name in stored:  # (abs: a constant fitted onto its bound of 0 ends within 1e-11 of it)
+        assert fresh[name] == pytest.approx(stored[name], rel=1e-6, abs=1e-9), name
+
+
+def test_the_fit_is_the_lowest_minimum_other_starts_find():
+    """The stored constants are the least-squares minimum, not where an optimiser stopped: fits from
+    random starting constants end no lower (some end in worse local minima)."""
+    rows = [r for r in paper_table() if r["batch_size"] in TRAIN_BATCHES]
+    lowest = fit_error(rows, fitted_constants())
+    rng = random.Random(0)
+    for _ in range(4):
+        start = {}
+        for name, value in asdict(CostConstants()).items():
+            lo, hi = BOUNDS.get(name, (0.0, math.inf))
+            start[name] = min(max(value * rng.uniform(0.3, 2.0), lo + 1e-3), hi - 1e-3)
+        assert fit_error(rows, fit_constants(rows, start)) >= lowest * (1 - 1e-6)
 
 
 def test_held_out_speedup_error():
@@ -28,9 +44,9 @@ def test_held_out_speedup_error():
     assert set(TRAIN_BATCHES).isdisjoint(HELD_OUT_BATCHES)
     assert {p["batch_size"] for p in report["points"]} == set(HELD_OUT_BATCHES)
     assert len(report["points"]) == 10
-    # The issue asks for 80 %; this model reaches 70 % (7/10). The three misses are batch 4 with P2P
-    # off, where the paper hides as much communication as at batch 1 (docs/costmodel.md).
-    assert report["fraction_within"] >= 0.7
+    # The issue asks for 80 %; this model reaches it, 8/10, the eighth point by 0.005 (TP 4, batch 4,
+    # P2P off). The two misses are batch 4 with P2P off too (docs/costmodel.md).
+    assert report["fraction_within"] >= 0.8
     stored = json.loads(resources.files("ladder").joinpath("data/costmodel-fit.json").read_text())
     assert stored["validation"]["fraction_within"] == report["fraction_within"]
 
@@ -244,3 +260,14 @@ def test_predict_bad_input_is_one_line(args, message):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert message in lines[0]
+
+
+def test_link_calibration_takes_the_rows_it_is_told():
+    """The cross-validation (scripts/costmodel_crossval.py) refits the links without one cell."""
+    from ladder.interconnect import paper_measurements
+    assert paper_measurements("off", lambda tp, batch: batch in TRAIN_BATCHES) == paper_measurements("off")
+    every = paper_measurements("off", lambda tp, batch: True)
+    without = paper_measurements("off", lambda tp, batch: (tp, batch) != (8, 4))
+    assert len(every) == 1 + 10 and len(without) == 1 + 9  # the NCCL measurement + one per (TP, batch) cell
+    decode_message = lambda m: m[1][-1][1]  # (tp, [(prefill), (decode: count, bytes)], us)
+    assert [m for m in every if m not in without] == [m for m in every[1:] if m[0] == 8 and decode_message(m) == 4 * 8192 * 2]

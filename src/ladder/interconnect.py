@@ -26,7 +26,7 @@ import functools
 import itertools
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from time import perf_counter
 
@@ -88,7 +88,8 @@ def fit_link(name: str, measurements: list[tuple[int, Collectives, float]], sour
 CALIBRATION_BATCHES = (1, 64)  # the cost model is judged on the other batch sizes of the table
 
 
-def paper_measurements(p2p: str) -> list[tuple[int, Collectives, float]]:
+def paper_measurements(p2p: str, calibrates: Callable[[int, int], bool] | None = None
+                       ) -> list[tuple[int, Collectives, float]]:
     """All-reduce timings implied by the ladder paper (ICML 2025), 8x H100 SXM, fp16:
     * its NCCL measurement: 1M fp32 elements (4 MiB) on 8 GPUs take 78.6 us with P2P (NVLink) and
       135.4 us with NCCL_P2P_DISABLE=1;
@@ -96,13 +97,15 @@ def paper_measurements(p2p: str) -> list[tuple[int, Collectives, float]]:
       of its 160 all-reduces per forward (2 per layer; gpt-fast shards attention and MLP only), over
       one prefill of batch x 1024 tokens and 512 decode steps of batch tokens, each message
       tokens x 8192 x 2 bytes. Upper bound does not
-      communicate, so its P2P-on time serves both conditions."""
+      communicate, so its P2P-on time serves both conditions.
+    `calibrates(tp, batch)`: which of the table's rows to take instead (a cross-validation's folds)."""
     from ladder.costmodel import paper_table  # the packaged CSV
 
     rows = {(r["layout"], r["tp"], r["batch_size"], r["p2p"]): r for r in paper_table()}
     out: list[tuple[int, Collectives, float]] = [(8, [(1, 4 * 2**20)], 78.6 if p2p == "on" else 135.4)]
     for (layout, tp, batch, cond), r in rows.items():
-        if layout != "standard" or cond != p2p or batch not in CALIBRATION_BATCHES:
+        taken = calibrates(tp, batch) if calibrates else batch in CALIBRATION_BATCHES
+        if layout != "standard" or cond != p2p or not taken:
             continue
         upper = rows[("upper-bound", tp, batch, "on")]
         tokens = batch * r["gen_len"]
