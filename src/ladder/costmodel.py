@@ -11,10 +11,10 @@ rho is the part of the overlap lost to interference (NCCL kernels take SMs from 
 Generation = prefill of the prompt + one decode step per new token at growing context; tokens/s =
 batch * gen_len / total time, as in the paper's protocol.
 
-The free constants are the bounded least-squares fit (to convergence) of part of the paper's Llama-3-70B
-H100 table (`data/llama3-70b-h100-throughput.csv`) and the model is judged on the rest (`validate()`), and on a
-shape it never saw, the paper's Llama-3-8B speedups at TP 8, and on its Llama-3.1-405B speedups at TP 16
-on two nodes (`validate_unseen()`).
+The free constants are the bounded least-squares fit (to convergence) of part of the paper's
+Llama-3-70B H100 table (`data/llama3-70b-h100-throughput.csv`); the model is judged on the rest
+(`validate()`), on a shape it never saw, the paper's Llama-3-8B speedups at TP 8, and on its
+Llama-3.1-405B speedups at TP 16 on two nodes (`validate_unseen()`).
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     n = b * prompt_len
     pre_attn = roof(by * attn_params, 2 * n * attn_params + 2 * b * heads * prompt_len ** 2 * hd)
     pre_mlp = roof(by * mlp_params, 2 * n * mlp_params)
-    prefill = combine(pre_attn, pre_mlp, prefill_all_reduce, prefill_interference(k, b)) + roof(by * head_params, 2 * n * head_params)
+    prefill = (combine(pre_attn, pre_mlp, prefill_all_reduce, prefill_interference(k, b))
+               + roof(by * head_params, 2 * n * head_params))
 
     # decode: one token per sequence. Like gpt-fast, the engine attends over the whole static cache
     # (prompt + gen positions, masked), so every step reads all of it.
@@ -200,7 +201,8 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     kv_s = kv_bytes / (k["attention_efficiency"] * gpu.hbm_bytes_per_s)
     dec_attn = roof(by * attn_params, 2 * b * attn_params) + kv_s
     dec_mlp = roof(by * mlp_params, 2 * b * mlp_params)
-    step = combine(dec_attn, dec_mlp, decode_all_reduce, interference(k, b)) + roof(by * head_params, 2 * b * head_params) + step_s
+    step = (combine(dec_attn, dec_mlp, decode_all_reduce, interference(k, b))
+            + roof(by * head_params, 2 * b * head_params) + step_s)
     return prefill + gen_len * step
 
 
@@ -304,7 +306,7 @@ def fit_constants(rows: list[dict[str, Any]], init: Mapping[str, float],
 
 
 def fit_error(rows: list[dict[str, Any]], constants: Constants) -> float:
-    """What `fit` minimises: the mean squared error of log tokens/s over `rows`."""
+    """What `fit` minimises: the mean squared error of log tokens/s over `rows` (H100, link presets)."""
     errors = [math.log(predict_tokens_per_s(_row_workload(r), r["layout"], GPUS["h100"],
                                             _preset_link(P2P_LINKS[r["p2p"]]), constants) / r["tokens_per_s"])
               for r in rows]
