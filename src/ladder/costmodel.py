@@ -268,6 +268,17 @@ def fit(rows: list[dict[str, Any]], gpu: GPU = GPUS["h100"]) -> CostConstants:
 Residuals = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
+def log_errors(rows: list[dict[str, Any]], gpu: GPU = GPUS["h100"],
+               link_of: LinkOf = _preset_link) -> Residuals:
+    """The error of predicted log tokens/s at each row, as a function of the constants (tensors): what
+    the fit squares. The rows' workloads and links are looked up once, for the fit's many calls."""
+    targets = torch.tensor([math.log(r["tokens_per_s"]) for r in rows], dtype=torch.float64)
+    workloads, layouts = [_row_workload(r) for r in rows], [r["layout"] for r in rows]
+    links = [link_of(P2P_LINKS[r["p2p"]]) for r in rows]
+    tokens = torch.tensor([r["batch_size"] * r["gen_len"] for r in rows], dtype=torch.float64)
+    return lambda k: torch.log(tokens / predict_seconds_of(workloads, layouts, gpu, links, k)) - targets
+
+
 def fit_constants(rows: list[dict[str, Any]], init: Mapping[str, float],
                   bounds: Mapping[str, tuple[float, float]] = BOUNDS, gpu: GPU = GPUS["h100"],
                   link_of: LinkOf = _preset_link, extra_residuals: Residuals | None = None) -> dict[str, float]:
@@ -286,16 +297,11 @@ def fit_constants(rows: list[dict[str, Any]], init: Mapping[str, float],
     names = list(init)
     lower = [bounds.get(name, (0.0, math.inf))[0] for name in names]
     upper = [bounds.get(name, (0.0, math.inf))[1] for name in names]
-    targets = torch.tensor([math.log(r["tokens_per_s"]) for r in rows], dtype=torch.float64)
-    workloads, layouts = [_row_workload(r) for r in rows], [r["layout"] for r in rows]
-    links = [link_of(P2P_LINKS[r["p2p"]]) for r in rows]
-    tokens = torch.tensor([r["batch_size"] * r["gen_len"] for r in rows], dtype=torch.float64)
+    errors = log_errors(rows, gpu, link_of)
 
     def residuals(x: torch.Tensor) -> torch.Tensor:
         k = dict(zip(names, x))
-        seconds = predict_seconds_of(workloads, layouts, gpu, links, k)
-        r = torch.log(tokens / seconds) - targets
-        return r if extra_residuals is None else torch.cat([r, extra_residuals(k)])
+        return errors(k) if extra_residuals is None else torch.cat([errors(k), extra_residuals(k)])
 
     as_tensor = functools.partial(torch.tensor, dtype=torch.float64)
     result = least_squares(lambda x: residuals(as_tensor(x)).numpy(),
@@ -307,10 +313,8 @@ def fit_constants(rows: list[dict[str, Any]], init: Mapping[str, float],
 
 def fit_error(rows: list[dict[str, Any]], constants: Constants) -> float:
     """What `fit` minimises: the mean squared error of log tokens/s over `rows` (H100, link presets)."""
-    errors = [math.log(predict_tokens_per_s(_row_workload(r), r["layout"], GPUS["h100"],
-                                            _preset_link(P2P_LINKS[r["p2p"]]), constants) / r["tokens_per_s"])
-              for r in rows]
-    return sum(e * e for e in errors) / len(errors)
+    k = {name: _t(v) for name, v in _values(constants).items()}
+    return float((log_errors(rows)(k) ** 2).mean())
 
 
 FITTED_FILE = "data/costmodel-fit.json"
