@@ -75,11 +75,11 @@ for batch in ${compiled_batches//,/ }; do
 done
 if [[ -f "$out/${big}-tp${tp}-shard.jsonl" ]]; then
     ladder bench plot "$out/${big}-tp${tp}-shard.jsonl"
-    "$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard.jsonl" --compiled "$out/compiled-tp1.jsonl" \
+    "$PY" experiments/gpu/paper_comparison.py "$out/${big}-tp${tp}-shard.jsonl" --compiled "$out/compiled-tp1.jsonl" \
         | tee "$out/comparison.md"
 fi
 if [[ -f "$out/${big}-tp${tp}-shard-compiled.jsonl" ]]; then
-    "$PY" scripts/paper_comparison.py "$out/${big}-tp${tp}-shard-compiled.jsonl" | tee "$out/comparison-compiled.md"
+    "$PY" experiments/gpu/paper_comparison.py "$out/${big}-tp${tp}-shard-compiled.jsonl" | tee "$out/comparison-compiled.md"
 fi
 for batch in ${hybrid_batches//,/ }; do
     ladder bench --preset "$big" --layouts standard,ladder,upper-bound --ladder-layers "$hybrid_layers" --tp "$tp" \

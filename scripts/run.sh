@@ -14,9 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-out=${LADDER_RESULTS:-results/cpu}
+# Each run writes a folder of its own under runs/ (git-ignored); results/cpu/ keeps the canonical run.
+out=${LADDER_RESULTS:-runs/main/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
-[ -f "$out/bench.jsonl" ] && mv "$out/bench.jsonl" "$out/bench.previous.jsonl"
 # This shared CPU drifts by +-10 % over seconds to minutes, so the layouts of a configuration are
 # measured together, taking turns step by step (--interleave steps), and again in fresh workers
 # (--rounds); the summary pools every run of a layout.

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ladder.config import ModelConfig, get_preset
-from ladder.distributed import Communicator, Handle, LocalCommunicator, init_distributed, shutdown_distributed
+from ladder.comm.base import Communicator, Handle, LocalCommunicator
+from ladder.comm.distributed import init_distributed, shutdown_distributed
 from ladder.model import Transformer
 from ladder.weights import random_model
 
@@ -23,7 +24,7 @@ CPU = torch.device("cpu")
 
 def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`ladder ARGS...` in a fresh interpreter, output captured."""
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "ladder", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun_ladder(*args: str, dist_timeout_s: int = 60, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -98,7 +99,7 @@ def stop_when_ready(args: list[str], ready: Callable[[int], bool], sig: int, tim
     """Start `ladder ARGS...` in a session of its own, wait until `ready(its pid)`, then send `sig` as a
     terminal or a scheduler would: Ctrl-C to the whole process group, anything else to the command.
     Returns its exit status and stderr."""
-    proc = subprocess.Popen([sys.executable, "-m", "ladder.cli", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "ladder", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

@@ -11,12 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from ladder import bench
-from ladder import results
-from ladder.bench import BenchPoint, measured_already, run_sweep, sweep_points
+import ladder.bench.sweep as bench_sweep
+from ladder.bench import records, summary, worker
+from ladder.bench.calibrate import _standard_step_times
+from ladder.bench.records import measured_already
+from ladder.bench.spec import BenchPoint, sweep_points
+from ladder.bench.sweep import run_sweep
+from ladder.config import get_preset
+from ladder.decode_step import DecodeStep
+from ladder.memory import estimate_memory_bytes
 from ladder.errors import LadderError
-from ladder.interconnect import EmulatedCommunicator, LinkModel, get_link, wait_until
-from ladder.results import failures, format_summary, read_results, summarise
+from ladder.comm.emulated import EmulatedCommunicator, wait_until
+from ladder.comm.links import LinkModel, get_link
+from ladder.bench.summary import failures, format_summary, read_results, summarise
 
 from helpers import ladder_cli, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
@@ -160,7 +167,7 @@ def test_hidden_of_layouts_that_took_turns_compares_their_total_times_over_the_s
 
 
 def test_hidden_interval_resamples_interleaved_runs_together():
-    from ladder.results import hidden_interval
+    from ladder.bench.summary import hidden_interval
 
     # Every turn hides exactly 0.9 of standard's communication, but the machine's speed drifts from
     # turn to turn (x0.7 .. x1.3), as on a busy VM; the layouts took turns, so each turn's drift hit all three.
@@ -184,7 +191,7 @@ def test_hidden_interval_resamples_interleaved_runs_together():
     assert hidden_interval([[r] for r in split]) == pytest.approx((0.9, 0.9))
     # A sweep run twice into one file repeats its rounds: the turns of each stay apart.
     twice = [records(t_standard, True)[0] | {"env": {"time": start}} for start in ("10:00:00", "10:05:00")]
-    assert len(results._runs_by_turn(twice)) == 2 * len(drift)
+    assert len(summary._runs_by_turn(twice)) == 2 * len(drift)
 
 
 def test_the_summary_lists_hybrids_by_their_number_of_ladder_layers():
@@ -197,7 +204,7 @@ def test_the_summary_lists_hybrids_by_their_number_of_ladder_layers():
 
 
 def test_plots_pool_records_as_the_summary_does():
-    from ladder.plots import _pooled_points, pareto_frontier
+    from ladder.bench.plots import _pooled_points, pareto_frontier
 
     def record(layout, runs, latency_ms, round_):
         return {"status": "ok", "preset": "tiny", "interconnect": "real", "emulated": False, "tp": 2,
@@ -216,7 +223,7 @@ def test_plots_pool_records_as_the_summary_does():
 
 
 def test_decode_steps_run_differently_are_never_pooled_or_drawn_together():
-    from ladder.plots import _pooled_points
+    from ladder.bench.plots import _pooled_points
 
     def record(layout, tokens_per_s, **step):
         return {"status": "ok", "preset": "tiny", "interconnect": "nvlink-h100", "emulated": True, "tp": 8,
@@ -242,7 +249,7 @@ def test_decode_steps_run_differently_are_never_pooled_or_drawn_together():
 
 
 def test_a_link_dilated_to_a_share_is_one_link_across_batch_sizes_and_days():
-    from ladder.plots import _pooled_points
+    from ladder.bench.plots import _pooled_points
 
     def record(batch, scale):
         return {"status": "ok", "preset": "tiny", "interconnect": "pcie-no-p2p", "emulated": True, "tp": 4,
@@ -263,7 +270,7 @@ def test_each_hybrid_is_drawn_in_a_colour_of_its_own():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ladder.plots import _draw_speedup, _pooled_points
+    from ladder.bench.plots import _draw_speedup, _pooled_points
 
     def record(layout, tokens_per_s, ladder_layers=None):
         return {"status": "ok", "preset": "tiny", "interconnect": "pcie-no-p2p", "emulated": True, "tp": 2,
@@ -300,7 +307,7 @@ def test_plot_files(sweep, tmp_path):
 
 
 def test_a_sweep_of_standard_alone_draws_no_empty_speedup_picture(tmp_path):
-    from ladder.plots import plot_bench
+    from ladder.bench.plots import plot_bench
 
     records = [{"status": "ok", "preset": "tiny", "interconnect": "real", "emulated": False, "tp": 1,
                 "batch_size": batch, "prompt_len": 8, "gen_len": 4, "layout": "standard", "tokens_per_s": 10.0 * batch,
@@ -318,7 +325,7 @@ def test_hybrids_of_several_depths_get_a_picture_of_speedup_against_ladder_layer
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ladder.plots import _draw_hybrids, _pooled_points, plot_bench
+    from ladder.bench.plots import _draw_hybrids, _pooled_points, plot_bench
 
     def record(layout, tokens_per_s, ladder_layers=None):
         return {"status": "ok", "preset": "tiny", "interconnect": "pcie-no-p2p", "emulated": True, "tp": 2,
@@ -494,18 +501,18 @@ def test_a_record_is_marked_dirty_by_changed_code_not_by_rewritten_results(tmp_p
     git("init", "-q")
     git("add", ".")
     git("commit", "-q", "-m", "start")
-    clean = bench.git_commit(package)
+    clean = records.git_commit(package)
     assert clean and not clean.endswith("-dirty")
 
     results.unlink()  # what scripts/run.sh does to the committed results: moved aside, then rewritten
     results.write_text('{"status": "ok"}\n')
-    assert bench.git_commit(package) == clean
+    assert records.git_commit(package) == clean
 
     (package / "model.py").write_text("x = 2\n")
-    assert bench.git_commit(package) == clean + "-dirty"
+    assert records.git_commit(package) == clean + "-dirty"
     git("checkout", "-q", "--", "src")
     (package / "extra.py").write_text("y = 1\n")  # a new module the package may import
-    assert bench.git_commit(package) == clean + "-dirty"
+    assert records.git_commit(package) == clean + "-dirty"
 
 
 def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, monkeypatch):
@@ -517,8 +524,8 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     first = run_sweep(points[:1] + [too_big], out, progress=False)
     with out.open("a") as f:
         f.write('{"schema": 1, "status": "ok", "layout": "lad')  # a record cut short by a killed run
-    measured, run_group = [], bench.run_group
-    monkeypatch.setattr(bench, "run_group", lambda group, *how: measured.extend(group) or run_group(group, *how))
+    measured, run_group = [], bench_sweep.run_group
+    monkeypatch.setattr(bench_sweep, "run_group", lambda group, *how: measured.extend(group) or run_group(group, *how))
     again = run_sweep(points, out, progress=False, done=measured_already(out))
     assert [(p.preset, p.layout) for p in measured] == [("tiny", "ladder"), ("llama-3.1-405b", "ladder")]
     assert [r["layout"] for r in again] == ["standard", "ladder", "ladder"]
@@ -588,7 +595,7 @@ def test_results_are_never_appended_to_a_file_that_is_not_bench_results(resume, 
 def test_comm_share_calibration_counts_standards_all_reduces_on_the_undilated_link():
     point = BenchPoint(preset="tiny", layout="ladder", tp=2, batch_size=3, prompt_len=8, gen_len=4,
                        link=get_link("pcie-no-p2p"), link_scale=7.0)
-    compute_s, link_s = bench._standard_step_times(point, steps=4)
+    compute_s, link_s = _standard_step_times(point, steps=4)
     config = point.config()
     per_all_reduce = point.link.all_reduce_s(3 * config.dim * 4, 2)  # batch x dim float32, between 2 ranks
     assert link_s == pytest.approx(2 * config.n_layers * per_all_reduce, rel=1e-6)  # standard's, at scale 1
@@ -667,7 +674,7 @@ def one_intra_op_thread():
     """Matrix products on the calling thread only. After a long idle wait, torch's intra-op worker
     threads are asleep, and on a loaded machine waking them takes a scheduler slice: beside two busy
     loops, upper bound's 3 steps of the tiny model took up to 93 ms with 2 threads after 25 ms waits,
-    and 8 ms with 1 (scripts/intra_op_wakeup.py; 1 run in 25 of the test below failed with 2 threads
+    and 8 ms with 1 (experiments/investigations/intra_op_wakeup.py; 1 run in 25 of the test below failed with 2 threads
     and 5 ms waits)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -692,7 +699,7 @@ def test_generations_in_turns_keep_their_own_caches_samples_and_clocks(one_intra
     engines = [Engine(model) for model in [standard, *others]]
     prompt, sampling = torch.tensor([[5, 17, 42, 7], [9, 3, 200, 1]]), SamplingParams(temperature=0.8, seed=4)
     alone = [engine.generate(prompt, 4, sampling) for engine in engines]
-    in_turns = bench.generate_in_turns(engines, prompt, 4, sampling, shift=1)
+    in_turns = worker.generate_in_turns(engines, prompt, 4, sampling, shift=1)
     assert [r.tokens for r in in_turns] == [r.tokens for r in alone]
     assert all(len(r.token_latencies_s) == 3 for r in in_turns)
     standard_waits_s = 3 * 2 * 2 * 5e-3  # 3 decode steps x 2 layers x 2 all-reduces x 5 ms
@@ -702,7 +709,7 @@ def test_generations_in_turns_keep_their_own_caches_samples_and_clocks(one_intra
 
 def test_layouts_with_the_same_parameters_share_one_copy():
     from ladder.config import get_preset
-    from ladder.distributed import LocalCommunicator
+    from ladder.comm.base import LocalCommunicator
     from ladder.weights import random_model, share_weights
 
     comm, cpu = LocalCommunicator(), torch.device("cpu")
@@ -728,13 +735,12 @@ def test_layouts_with_the_same_parameters_share_one_copy():
 
 
 def test_a_group_of_layouts_computes_with_one_set_of_weights_whatever_their_order():
-    from ladder.config import get_preset
-    from ladder.distributed import LocalCommunicator
+    from ladder.comm.base import LocalCommunicator
 
     cpu, layouts = torch.device("cpu"), ["parallel", "standard", "ladder", "upper-bound"]
     point = BenchPoint(preset="tiny", layout="parallel", tp=1, batch_size=1, prompt_len=4, gen_len=2)
-    models = bench._build_models(point, [get_preset("tiny", layout=layout) for layout in layouts],
-                                 [LocalCommunicator()] * len(layouts), cpu, torch.float32)
+    models = worker.build_models([dataclasses.replace(point, layout=layout) for layout in layouts],
+                                 [LocalCommunicator()] * len(layouts), cpu)
     assert [m.config.layout for m in models] == layouts
     weights = {p.data_ptr() for p in models[1].parameters()}
     assert all({p.data_ptr() for p in m.parameters()} <= weights for m in models)
@@ -745,13 +751,13 @@ def test_every_layout_follows_every_other_in_turns():
     follows = {}
     previous = None
     for turn in range(4000):
-        for j in bench.turn_order(4, turn):
+        for j in worker.turn_order(4, turn):
             if previous is not None:
                 follows[(previous, j)] = follows.get((previous, j), 0) + 1
             previous = j
     pairs = [n for (a, b), n in follows.items() if a != b]  # (a layout also follows itself across turns)
     assert len(pairs) == 12 and max(pairs) / min(pairs) < 1.15, follows
-    assert bench.turn_order(4, 7) == bench.turn_order(4, 7)
+    assert worker.turn_order(4, 7) == worker.turn_order(4, 7)
 
 
 def test_compiled_decode_waits_at_run_time_and_keeps_the_ladder_overlap(tmp_path):
@@ -760,10 +766,10 @@ def test_compiled_decode_waits_at_run_time_and_keeps_the_ladder_overlap(tmp_path
     compute. Left alone, inductor moves it up (it fuses the residual add that reads the result into
     the previous norm's kernel) or moves the launch down to it (reorder_for_locality), and the wait
     comes right after the launch, as in standard. The order is read from a profiler trace of the
-    ops (timing-free); scripts/compiled_overlap.py measures what it hides."""
+    ops (timing-free); experiments/investigations/compiled_overlap.py measures what it hides."""
     from ladder.config import get_preset
     from ladder.engine import Engine, SamplingParams
-    from ladder.trace import profile_generation
+    from ladder.bench.trace import profile_generation
     from ladder.weights import random_model
 
     from helpers import in_flight_at_each_wait
@@ -772,7 +778,7 @@ def test_compiled_decode_waits_at_run_time_and_keeps_the_ladder_overlap(tmp_path
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     for layout, expected in (("standard", [1] * 8), ("ladder", [2] * 7 + [1])):  # per step of 8 modules
         comm = EmulatedCommunicator(LinkModel("test", latency_us=500.0, bandwidth_gbps=1.0), world_size=2, device=cpu)
-        engine = Engine(random_model(get_preset("tiny", layout=layout), comm, cpu), compile=True)
+        engine = Engine(random_model(get_preset("tiny", layout=layout), comm, cpu), DecodeStep.COMPILED)
         engine.generate(prompt, 6)  # traces and compiles the decode step
         comm.reset_counters()
         start = time.perf_counter()
@@ -855,8 +861,8 @@ def test_memory_estimate_is_close_to_the_peak_an_h100_measured():
     assert {r["batch_size"] for r in measured} >= {1, 64}
     for r in measured:
         layouts = r["interleaved"]["layouts"]
-        config = bench.get_preset(r["preset"])
-        estimate = bench.estimate_memory_bytes(config, r["tp"], r["batch_size"], r["prompt_len"],
+        config = get_preset(r["preset"])
+        estimate = estimate_memory_bytes(config, r["tp"], r["batch_size"], r["prompt_len"],
                                                r["prompt_len"] + r["gen_len"], 2, len(layouts),
                                                weight_sets=len({layout == "parallel" for layout in layouts}))
         assert estimate == pytest.approx(r["peak_memory_bytes"], rel=0.05), (r["batch_size"], layouts)
@@ -866,8 +872,8 @@ def test_a_setting_added_after_a_record_was_written_takes_its_default():
     point = BenchPoint("tiny", "ladder", tp=1, batch_size=1, prompt_len=4, gen_len=2)
     older = point.describe()
     del older["cuda_graph"]  # written before --cuda-graph existed
-    assert bench.point_key(older, 0) == bench.point_key(point.describe(), 0)
-    assert bench.point_key(older, 0) != bench.point_key(dataclasses.replace(point, cuda_graph=True).describe(), 0)
+    assert records.point_key(older, 0) == records.point_key(point.describe(), 0)
+    assert records.point_key(older, 0) != records.point_key(dataclasses.replace(point, decode_step=DecodeStep.CUDA_GRAPH).describe(), 0)
 
 
 def test_the_summary_says_when_there_is_too_little_communication_to_judge_the_hidden_fraction():

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from ladder.checkpoint import open_checkpoint, resolve_model, save_hf
-from ladder.distributed import LocalCommunicator
+from ladder.checkpoint.hf import save_hf
+from ladder.checkpoint.resolve import open_checkpoint, resolve_model
+from ladder.comm.base import LocalCommunicator
 from ladder.errors import LadderError
 from ladder.weights import build_model, export_hf_state_dict, load_weights
 
@@ -33,7 +34,7 @@ def load(spec: str, **layout) -> tuple[torch.nn.Module, object]:
 
 
 def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ladder", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "LADDER_DIST_TIMEOUT": "120"})
 
 
@@ -248,7 +249,7 @@ def write_sentencepiece_gguf(path) -> None:
 def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
     import gguf
     transformers = pytest.importorskip("transformers")
-    from ladder.tokenizer import TextTokenizer
+    from ladder.checkpoint.tokenizer import TextTokenizer
 
     write_sentencepiece_gguf(tmp_path / "spm.gguf")
     ours = TextTokenizer.from_gguf(gguf.GGUFReader(str(tmp_path / "spm.gguf")), "spm.gguf")

@@ -12,17 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ladder.cli import build_parser, main
+from ladder.cli.main import build_parser, main
 from ladder.config import ModelConfig, get_preset
-from ladder.distributed import communication_failure, init_distributed, shutdown_distributed
+from ladder.comm.distributed import communication_failure, init_distributed, shutdown_distributed
 from ladder.errors import LadderError
-from ladder.launch import launch
-from ladder.train import TrainConfig, load_train_config
+from ladder.comm.launch import launch
+from ladder.train.settings import TrainConfig, load_train_config
 
 from helpers import (descendants, has_loaded_torch, ladder_lines, stop_when_ready, torchrun_ladder,
                      torchrun_on_two_nodes)
 
-LADDER = [sys.executable, "-m", "ladder.cli"]
+LADDER = [sys.executable, "-m", "ladder"]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -150,7 +150,7 @@ def test_the_listed_degrees_are_exactly_those_that_shard():
 
 
 def test_ranks_asked_to_run_on_cpu_are_not_counted_against_the_gpus(monkeypatch):
-    from ladder.launch import check_launchable
+    from ladder.comm.launch import check_launchable
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

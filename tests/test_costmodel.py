@@ -8,11 +8,14 @@ from importlib import resources
 
 import pytest
 
-from ladder.costmodel import (BOUNDS, GPUS, HELD_OUT_BATCHES, TRAIN_BATCHES, CostConstants, Workload, fit_constants,
-                              fit_error, fit_on_paper, fitted_constants, UNSEEN_SETTINGS, get_gpu, paper_table,
-                              predict_table, predict_tokens_per_s, validate, validate_unseen)
+from ladder.comm.links import link_presets
+from ladder.predict.costmodel import (GPUS, CostConstants, Workload, fitted_constants, get_gpu, predict_table,
+                                      predict_tokens_per_s)
+from ladder.predict.fit import (BOUNDS, HELD_OUT_BATCHES, TRAIN_BATCHES, fit_constants, fit_error, fit_on_paper,
+                                validate, validate_unseen)
+from ladder.predict.paper import UNSEEN_SETTINGS, fit_paper_links, paper_table
 from ladder.config import get_preset
-from ladder.interconnect import get_link
+from ladder.comm.links import get_link
 
 from helpers import ladder_cli
 
@@ -23,6 +26,13 @@ def test_stored_constants_are_the_fit_of_the_training_split():
     assert stored.keys() == fresh.keys()
     for name in stored:  # (abs: a constant fitted onto its bound of 0 ends within 1e-11 of it)
         assert fresh[name] == pytest.approx(stored[name], rel=1e-6, abs=1e-9), name
+
+
+def test_stored_paper_links_are_the_fit_of_the_paper_measurements():
+    fitted = fit_paper_links()
+    assert fitted.keys() == {"nvlink-h100", "pcie-no-p2p"}
+    for name, link in fitted.items():
+        assert link_presets()[name] == link, name
 
 
 def test_the_fit_is_the_lowest_minimum_other_starts_find():
@@ -160,7 +170,7 @@ def test_predict_marks_the_rows_that_do_not_fit():
 
 
 def test_a_six_digit_batch_keeps_its_own_column():
-    from ladder.cli import format_predictions
+    from ladder.cli.predict import format_predictions
 
     rows = predict_table("llama-3-70b", GPUS["h100"], get_link("nvlink-h100"), 8, [1, 100000], ["standard"],
                          1024, 512)
@@ -210,7 +220,8 @@ def test_predict_on_another_gpu_says_the_accuracy_is_the_h100s():
 def test_predict_reads_a_checkpoints_shape_from_its_config_json_alone(tmp_path):
     """A user predicting a model too large to download needs only its config.json: the shape read from
     it predicts what the preset of that shape does, under the checkpoint's name."""
-    from ladder.checkpoint import config_to_hf, read_shape
+    from ladder.checkpoint.hf import config_to_hf
+    from ladder.checkpoint.resolve import read_shape
 
     folder = tmp_path / "Meta-Llama-3-70B"
     folder.mkdir()
@@ -263,8 +274,8 @@ def test_predict_bad_input_is_one_line(args, message):
 
 
 def test_link_calibration_takes_the_rows_it_is_told():
-    """The cross-validation (scripts/costmodel_crossval.py) refits the links without one cell."""
-    from ladder.interconnect import paper_measurements
+    """The cross-validation (experiments/costmodel/crossval.py) refits the links without one cell."""
+    from ladder.predict.paper import paper_measurements
     assert paper_measurements("off", lambda tp, batch: batch in TRAIN_BATCHES) == paper_measurements("off")
     every = paper_measurements("off", lambda tp, batch: True)
     without = paper_measurements("off", lambda tp, batch: (tp, batch) != (8, 4))

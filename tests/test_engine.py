@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers import make_model, tiny
+from ladder.decode_step import DecodeStep
 from ladder.engine import Engine, SamplingParams, sample
 from ladder.errors import LadderError
 
@@ -101,7 +102,7 @@ def test_out_of_vocabulary_prompt_is_an_error(engine):
 def test_compiled_decode_equals_eager():
     model = make_model(tiny(layout="ladder", ladder_layers=2))
     eager = Engine(model).generate(PROMPT, 6).tokens
-    compiled = Engine(model, compile=True).generate(PROMPT, 6).tokens
+    compiled = Engine(model, DecodeStep.COMPILED).generate(PROMPT, 6).tokens
     assert compiled == eager
 
 
@@ -117,7 +118,7 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = Engine(model, compile_layers=True)
+        compiled = Engine(model, DecodeStep.COMPILED_LAYERS)
         assert compiled.generate(PROMPT, 6).tokens == eager
         assert compiled.generate(PROMPT, 6).tokens == eager
     assert counters["stats"]["unique_graphs"] == (1 if layout == "parallel" else 2)  # attention, MLP
@@ -126,11 +127,11 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
 def test_cuda_graph_decode_needs_cuda_and_excludes_compile():
     model = make_model(tiny(layout="ladder"))
     with pytest.raises(LadderError, match="CUDA graphs need a CUDA device; the model is on cpu"):
-        Engine(model, cuda_graph=True)
-    with pytest.raises(LadderError, match="pick one"):
-        Engine(model, compile=True, cuda_graph=True)
-    with pytest.raises(LadderError, match="compile compiles the whole decode step and compile_layers each layer"):
-        Engine(model, compile=True, compile_layers=True)
+        Engine(model, DecodeStep.CUDA_GRAPH)
+    with pytest.raises(LadderError, match="give one"):
+        DecodeStep.from_flags(compile=True, cuda_graph=True)
+    with pytest.raises(LadderError, match="--compile compiles the whole decode step and --compile-layers each layer"):
+        DecodeStep.from_flags(compile=True, compile_layers=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -138,9 +139,9 @@ def test_cuda_graph_decode_equals_eager():
     model = make_model(tiny(layout="ladder", ladder_layers=2)).cuda()
     prompt = PROMPT.cuda()
     eager = Engine(model).generate(prompt, 6).tokens
-    graphed = Engine(model, cuda_graph=True)
+    graphed = Engine(model, DecodeStep.CUDA_GRAPH)
     assert graphed.generate(prompt, 6).tokens == eager
     assert graphed.generate(prompt, 6).tokens == eager  # replayed, not captured again
-    compiled_layers = Engine(model, cuda_graph=True, compile_layers=True)  # (the last: it compiles `model`)
+    compiled_layers = Engine(model, DecodeStep.COMPILED_LAYERS_CUDA_GRAPH)  # (the last: it compiles `model`)
     assert compiled_layers.generate(prompt, 6).tokens == eager
     assert compiled_layers.generate(prompt, 6).tokens == eager

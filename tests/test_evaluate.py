@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from ladder.checkpoint import open_checkpoint
-from ladder.distributed import LocalCommunicator
+from ladder.checkpoint.resolve import open_checkpoint
+from ladder.comm.base import LocalCommunicator
 from ladder.evaluate import perplexity, windows
 from ladder.weights import build_model, load_weights
 

@@ -5,7 +5,7 @@ import torch
 
 from helpers import (RecordingCommunicator, cached_logits, make_model, overlapped_modules,
                      reference_ladder_logits, tiny)
-from ladder.distributed import LocalCommunicator
+from ladder.comm.base import LocalCommunicator
 
 # fp32 on CPU, identical weights: the only differences come from summation order (e.g. SDPA over a
 # masked static cache vs. a causal forward), which stays within a few ulps of logits of size ~1.

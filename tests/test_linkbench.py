@@ -5,8 +5,8 @@ import json
 import pytest
 
 from ladder.errors import LadderError
-from ladder.interconnect import LinkModel, fit_link
-from ladder.linkbench import AllReduceTiming, fit_measured_link, format_size, parse_size
+from ladder.comm.links import LinkModel, fit_link
+from ladder.bench.linkbench import AllReduceTiming, fit_measured_link, format_size, parse_size
 
 from helpers import ladder_cli
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import cached_logits, make_model, overlapped_modules, tiny, tp_worker
-from ladder.launch import launch
-from ladder.simulate import SimulatedRanks
+from ladder.comm.launch import launch
+from ladder.train.simulate import SimulatedRanks
 
 # TP=2 splits each module's matmuls in two and sums the partials with gloo, so results differ from
 # TP=1 only by fp32 summation order: measured at most 2.4e-7 on logits of magnitude <1.4. 2e-5 absolute
@@ -105,7 +105,7 @@ def test_real_gloo_schedule_overlaps_ladder_only(tp2):
 
 def _gloo_threads_after_shutdown() -> tuple[int, int, int]:
     """Threads of this rank: before the group, with it (after collectives of every kind), after shutdown."""
-    from ladder.distributed import init_distributed, shutdown_distributed
+    from ladder.comm.distributed import init_distributed, shutdown_distributed
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))

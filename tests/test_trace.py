@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from ladder.bench import BenchPoint, run_sweep
-from ladder.interconnect import LinkModel
-from ladder.results import read_results
-from ladder.trace import SYNC_MARKER, link_overlap, read_trace
+from ladder.bench.spec import BenchPoint
+from ladder.bench.sweep import run_sweep
+from ladder.decode_step import DecodeStep
+from ladder.comm.links import LinkModel
+from ladder.bench.summary import read_results
+from ladder.bench.trace import SYNC_MARKER, link_overlap, read_trace
 
 from helpers import in_flight_at_each_wait
 
@@ -125,7 +127,7 @@ def test_compiled_ladder_launches_the_next_all_reduce_before_each_wait(tmp_path)
     module's all-reduce is already launched, so that module computed while the first was in flight.
     (Traced, funcol.all_reduce waits at once, and inductor moves waits up and launches down unless
     told otherwise: the raw op, `wait(after=...)` and reorder_for_locality=False keep the schedule.)"""
-    point = BenchPoint("tiny", "ladder", tp=2, batch_size=1, prompt_len=8, gen_len=6, runs=1, compile=True,
+    point = BenchPoint("tiny", "ladder", tp=2, batch_size=1, prompt_len=8, gen_len=6, runs=1, decode_step=DecodeStep.COMPILED,
                        profile_dir=str(tmp_path), profile_tokens=6)
     run_sweep([point], tmp_path / "r.jsonl", progress=False)
     (record,) = read_results(tmp_path / "r.jsonl")

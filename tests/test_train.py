@@ -13,8 +13,10 @@ import torch
 
 from ladder.corpora import python_docs_text
 from ladder.errors import LadderError
-from ladder.launch import launch
-from ladder.train import TrainConfig, checkpoint_dirs, load_train_config, train
+from ladder.comm.launch import launch
+from ladder.train.checkpoints import checkpoint_dirs
+from ladder.train.loop import train
+from ladder.train.settings import TrainConfig, load_train_config
 
 from helpers import descendants, has_loaded_torch, ladder_lines, stop_when_ready, torchrun_on_two_nodes
 
@@ -89,12 +91,12 @@ def test_desync_with_every_module_reduced_trains_as_standard(corpus, tmp_path):
 
 
 def _desync_logits_on_real_ranks(folder, tokens):
-    from ladder.distributed import init_distributed, shutdown_distributed
-    from ladder.loader import ModelSpec, load_model
+    from ladder.comm.distributed import init_distributed, shutdown_distributed
+    from ladder.spec import ModelSpec
 
     ctx = init_distributed("cpu", timeout_s=120)
     try:
-        loaded = load_model(ModelSpec(model=str(folder), tp=2, device="cpu"), ctx.communicator(), ctx.device)
+        loaded = ModelSpec(model=str(folder), tp=2, device="cpu").load(ctx.communicator(), ctx.device)
         with torch.no_grad():
             return loaded.model(tokens)
     finally:
@@ -102,10 +104,10 @@ def _desync_logits_on_real_ranks(folder, tokens):
 
 
 def test_desync_checkpoint_runs_on_its_real_ranks(corpus, tmp_path):
-    from ladder.checkpoint import open_hf
-    from ladder.distributed import LocalCommunicator
-    from ladder.loader import ModelSpec, load_model
-    from ladder.simulate import SimulatedRanks
+    from ladder.checkpoint.hf import open_hf
+    from ladder.comm.base import LocalCommunicator
+    from ladder.spec import ModelSpec
+    from ladder.train.simulate import SimulatedRanks
     from ladder.weights import build_model, load_weights
 
     result = train(tiny_config(corpus, tmp_path / "run", layout="desync", steps=3), progress=False)
@@ -120,12 +122,12 @@ def test_desync_checkpoint_runs_on_its_real_ranks(corpus, tmp_path):
     real = launch(_desync_logits_on_real_ranks, 2, result.final_dir, tokens)
     torch.testing.assert_close(real[0], simulated, atol=2e-5, rtol=0)  # as in test_tp.py
     with pytest.raises(LadderError, match="trained for tensor-parallel degree 2.*--tp 2"):
-        load_model(ModelSpec(model=str(result.final_dir), tp=1, device="cpu"), LocalCommunicator(), torch.device("cpu"))
+        ModelSpec(model=str(result.final_dir), tp=1, device="cpu").load(LocalCommunicator(), torch.device("cpu"))
 
 
 def test_checkpoint_is_a_model_folder_the_cli_runs(corpus, tmp_path):
     result = train(tiny_config(corpus, tmp_path / "run", steps=3), progress=False)
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "generate", "--model", str(result.final_dir),
+    out = subprocess.run([sys.executable, "-m", "ladder", "generate", "--model", str(result.final_dir),
                           "--prompt", "def ", "--max-new-tokens", "5"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "HF weights" in out.stderr
@@ -170,7 +172,7 @@ def test_bad_input(corpus, tmp_path):
 
 def test_an_out_dir_under_a_file_is_one_line_before_training(tmp_path):
     (tmp_path / "a_file").write_text("precious")
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "train", f"out_dir={tmp_path / 'a_file' / 'run'}",
+    out = subprocess.run([sys.executable, "-m", "ladder", "train", f"out_dir={tmp_path / 'a_file' / 'run'}",
                           "--no-progress"], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         f"ladder: error: cannot write {tmp_path / 'a_file' / 'run' / 'metrics.jsonl'}: "
@@ -181,23 +183,23 @@ def test_an_out_dir_under_a_file_is_one_line_before_training(tmp_path):
 def test_config_file_and_cli(corpus, tmp_path):
     (tmp_path / "run.toml").write_text(f'preset = "tiny"\ndata = ["{corpus / "train.txt"}"]\nheldout = []\n'
                                        f'seq_len = 32\nsteps = 2\nbatch_size = 4\nmicro_batch_size = 4\n')
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "--config", str(tmp_path / "run.toml"),
+    out = subprocess.run([sys.executable, "-m", "ladder", "train", "--config", str(tmp_path / "run.toml"),
                           f"out_dir={tmp_path / 'cli'}", "warmup_steps=1", "--no-progress"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "final train loss" in out.stdout
-    plot = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "plot", str(tmp_path / "cli"),
+    plot = subprocess.run([sys.executable, "-m", "ladder", "train", "plot", str(tmp_path / "cli"),
                            "--out", str(tmp_path / "loss.png")], capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    bad = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "steps=abc"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "ladder", "train", "steps=abc"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "ladder: error: steps expects an integer, got 'abc'"
 
 
 def test_train_plot_of_a_folder_that_holds_no_training_metrics_is_one_line(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"status": "ok", "layout": "ladder"}\n')  # a bench record
-    plot = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "plot", str(tmp_path / "run"),
+    plot = subprocess.run([sys.executable, "-m", "ladder", "train", "plot", str(tmp_path / "run"),
                            "--out", str(tmp_path / "loss.png")], capture_output=True, text=True, timeout=120)
     assert plot.returncode == 2 and plot.stderr.strip() == (
         f"ladder: error: {tmp_path / 'run' / 'metrics.jsonl'}:1 is not a ladder train record (it has no tokens and loss)")
@@ -219,7 +221,7 @@ def test_settings_out_of_range_are_refused_before_training(override, message):
 
 
 def test_settings_may_come_before_and_after_options(capsys):
-    from ladder.cli import main
+    from ladder.cli.main import main
 
     assert main(["train", "steps=5", "--no-progress", "lr=-1", "--nproc", "1", "min_lr=0"]) == 2
     assert capsys.readouterr().err.strip() == "ladder: error: lr must be > 0, got -1.0"  # lr=-1 was read
@@ -229,7 +231,7 @@ def test_settings_may_come_before_and_after_options(capsys):
 
 
 def test_nproc_below_one_is_one_line():
-    bad = subprocess.run([sys.executable, "-m", "ladder.cli", "train", "--nproc", "0"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "ladder", "train", "--nproc", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "ladder: error: --nproc must be >= 1, got 0"
 
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from ladder.cli import main
+from ladder.cli.main import main
 
 sys.exit(main())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,14 @@ LAYOUTS = ("standard", "parallel", "ladder", "desync", "upper-bound")
 
 DESYNC_PATTERNS = ("mlp", "attention", "all", "none")
 """Which module outputs a desync model all-reduces (the last module is always reduced)."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""The dtypes ladder runs in (`--dtype`), by name, and their size."""
+
+
+def default_dtype(device_type: str) -> str:
+    """The dtype when none is asked for: bfloat16 on CUDA (2 bytes, as the paper's fp16), float32 on CPU."""
+    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 @dataclass(frozen=True)
@@ -207,6 +216,33 @@ class ModelConfig:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+@dataclass(frozen=True)
+class ShardShape:
+    """The local sizes of one tensor-parallel rank."""
+
+    n_heads: int  # query heads on this rank
+    n_kv_heads: int  # key/value heads on this rank
+    first_head: int  # global index of this rank's first query head
+    first_kv_head: int  # global index of this rank's first key/value head
+    ffn_hidden: int
+    vocab_size: int  # output-head rows on this rank (all of them unless the vocabulary is sharded)
+    first_vocab_row: int
+
+    @staticmethod
+    def of(config: ModelConfig, rank: int, tp: int, shard_vocab: bool = False) -> ShardShape:
+        config.check_tp(tp)
+        kv, group = config.n_kv_heads, config.n_heads // config.n_kv_heads
+        if tp > kv:  # each KV head is replicated on tp / kv consecutive ranks, its query heads split
+            n_heads, n_kv = config.n_heads // tp, 1
+            first_head, first_kv = rank * n_heads, rank * kv // tp
+        else:  # whole KV groups; with tp not dividing kv, the first kv % tp ranks get one group more
+            first_kv, last_kv = rank * kv // tp, (rank + 1) * kv // tp
+            n_kv, n_heads, first_head = last_kv - first_kv, (last_kv - first_kv) * group, first_kv * group
+        vocab = config.vocab_size // tp if shard_vocab else config.vocab_size
+        first_vocab = rank * vocab if shard_vocab else 0
+        return ShardShape(n_heads, n_kv, first_head, first_kv, config.ffn_hidden // tp, vocab, first_vocab)
+
+
 _LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                             original_max_position_embeddings=8192)
 
@@ -248,3 +284,20 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise LadderError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+# ---- layouts compared side by side (bench and predict) ----------------------------------------------
+
+def layout_variants(layouts: Sequence[str], ladder_layers: Sequence[int] | None) -> list[tuple[str, int | None]]:
+    """(layout, N) to compare: ladder once per N of `ladder_layers` (hybrid; once, whole, without them),
+    every other layout once, whole (N None): hybrids are compared with the same whole baselines."""
+    check_hybrids(ladder_layers, layouts)
+    return [(layout, n) for layout in layouts for n in (ladder_layers if layout == "ladder" and ladder_layers
+                                                        else [None])]
+
+
+def check_hybrids(ladder_layers: Sequence[int] | None, layouts: Sequence[str]) -> None:
+    """`--ladder-layers` turns the ladder layout into hybrids: refuse it where there is no ladder to turn."""
+    if ladder_layers is not None and "ladder" not in layouts:
+        raise LadderError(f"--ladder-layers {','.join(map(str, ladder_layers))} makes the ladder layout hybrid, "
+                          f"and --layouts {','.join(layouts)} has no ladder")

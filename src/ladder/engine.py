@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ladder.comm.emulated import trace_emulated_launches
+from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError
-from ladder.interconnect import trace_emulated_launches
 from ladder.model import Transformer
 
 TokenCallback = Callable[[torch.Tensor], None]
@@ -75,32 +76,27 @@ def synchronize(device: torch.device) -> None:
 
 
 class Engine:
-    """Runs a `Transformer` for generation. The decode step runs eager by default, or:
-    - `compile=True`: the whole step compiled into one graph (with CUDA graphs on CUDA:
-      mode="reduce-overhead"); compiling takes longer the more layers the model has;
-    - `compile_layers=True`: each layer's branches compiled, one graph shared by every layer
+    """Runs a `Transformer` for generation, its decode step run as `step` says (`DecodeStep`):
+    - eager;
+    - compiled: the whole step one graph (with CUDA graphs on CUDA: mode="reduce-overhead"); compiling
+      takes longer the more layers the model has;
+    - compiled layers: each layer's branches compiled, one graph shared by every layer
       (`Transformer.compile_layers`, in place), the step between them eager; the prefill stays eager;
-    - `cuda_graph=True`: the step, eager or with compiled layers, captured as one CUDA graph
-      (`CudaGraphStep`, CUDA only).
+    - CUDA graph: the step, eager or with compiled layers, captured as one CUDA graph (`CudaGraphStep`).
     """
 
-    def __init__(self, model: Transformer, compile: bool = False, cuda_graph: bool = False,
-                 compile_layers: bool = False) -> None:
+    def __init__(self, model: Transformer, step: DecodeStep = DecodeStep.EAGER) -> None:
         self.model = model.eval()
         self.device = model.output.weight.device
+        self.step = step
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._decode_step
-        if compile and cuda_graph:
-            raise LadderError("compile and cuda_graph both make the decode step a CUDA graph: pick one")
-        if compile and compile_layers:
-            raise LadderError("compile compiles the whole decode step and compile_layers each layer: pick one")
-        self.layers_compiled = compile_layers
-        if compile_layers:
+        if step.captures_cuda_graph and self.device.type != "cuda":
+            raise LadderError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
+        if step.compiles_layers:
             model.compile_layers()
-        if cuda_graph:
-            if self.device.type != "cuda":
-                raise LadderError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
+        if step.captures_cuda_graph:
             self._decode = CudaGraphStep(self._decode_step, model)
-        if compile:
+        if step.compiles_step:
             # One graph per step (collectives, real or emulated, trace into it), as in the paper, with
             # CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each
             # all-reduce launch down to its wait, and the overlap with it.
@@ -222,7 +218,7 @@ class Generation:
         synchronize(device)
         start = time.perf_counter()
         if not self.out:
-            with _eager_if(self.engine.layers_compiled):  # (one compilation per prompt length otherwise)
+            with _eager_if(self.engine.step.compiles_layers):  # (one compilation per prompt length otherwise)
                 logits = model(self.prompt, torch.arange(T, device=device), last_only=True)[:, -1]  # (B, V)
             token = sample(logits, self.sampling, self.generator)  # (B,)
             synchronize(device)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from ladder.errors import LadderError
 from ladder.model import Transformer
@@ -29,8 +30,6 @@ def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int
 def perplexity(model: Transformer, ids: list[int], window: int = 512, stride: int | None = None,
                progress: bool = True) -> dict[str, Any]:
     """Token-level perplexity exp(mean NLL) of `ids` under `model` (natural log)."""
-    from tqdm import tqdm
-
     stride = min(stride or window, window - 1)
     if window < 2:
         raise LadderError(f"--window must be at least 2 tokens, got {window}")

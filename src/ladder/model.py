@@ -14,41 +14,14 @@ communicator it is built with and never mutates the config.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladder.config import ModelConfig
-from ladder.distributed import Communicator, Done, Handle, LocalCommunicator
-
-
-@dataclass(frozen=True)
-class ShardShape:
-    """The local sizes of one tensor-parallel rank."""
-
-    n_heads: int  # query heads on this rank
-    n_kv_heads: int  # key/value heads on this rank
-    first_head: int  # global index of this rank's first query head
-    first_kv_head: int  # global index of this rank's first key/value head
-    ffn_hidden: int
-    vocab_size: int  # output-head rows on this rank (all of them unless the vocabulary is sharded)
-    first_vocab_row: int
-
-    @staticmethod
-    def of(config: ModelConfig, rank: int, tp: int, shard_vocab: bool = False) -> ShardShape:
-        config.check_tp(tp)
-        kv, group = config.n_kv_heads, config.n_heads // config.n_kv_heads
-        if tp > kv:  # each KV head is replicated on tp / kv consecutive ranks, its query heads split
-            n_heads, n_kv = config.n_heads // tp, 1
-            first_head, first_kv = rank * n_heads, rank * kv // tp
-        else:  # whole KV groups; with tp not dividing kv, the first kv % tp ranks get one group more
-            first_kv, last_kv = rank * kv // tp, (rank + 1) * kv // tp
-            n_kv, n_heads, first_head = last_kv - first_kv, (last_kv - first_kv) * group, first_kv * group
-        vocab = config.vocab_size // tp if shard_vocab else config.vocab_size
-        first_vocab = rank * vocab if shard_vocab else 0
-        return ShardShape(n_heads, n_kv, first_head, first_kv, config.ffn_hidden // tp, vocab, first_vocab)
+from ladder.config import ModelConfig, ShardShape
+from ladder.comm.base import Communicator, Done, Handle, LocalCommunicator
+from ladder.errors import LadderError
 
 
 class RMSNorm(nn.Module):
@@ -196,7 +169,6 @@ class Transformer(nn.Module):
         tp, rank = self.comm.world_size, self.comm.rank
         self.shard_vocab = shard_vocab and tp > 1
         if self.shard_vocab and config.vocab_size % tp:
-            from ladder.errors import LadderError
             raise LadderError(f"vocab_size {config.vocab_size} is not divisible by tensor-parallel degree {tp}")
         self.shard = ShardShape.of(config, rank, tp, self.shard_vocab)
         # Built on meta, filled later (ladder.weights). Given its storage, nn.Embedding skips its normal_
@@ -227,7 +199,6 @@ class Transformer(nn.Module):
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         """Allocate static KV caches for up to `max_batch` sequences of `max_seq` tokens."""
         if max_seq > self.config.max_seq_len:
-            from ladder.errors import LadderError
             raise LadderError(f"a cache of {max_seq} tokens exceeds max_seq_len {self.config.max_seq_len}")
         if max_batch <= self.max_batch and max_seq == self.max_seq:
             return

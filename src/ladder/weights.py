@@ -14,10 +14,10 @@ from typing import Protocol
 
 import torch
 
-from ladder.config import ModelConfig
-from ladder.distributed import Communicator
+from ladder.comm.base import Communicator
+from ladder.config import ModelConfig, ShardShape
 from ladder.errors import LadderError
-from ladder.model import ShardShape, Transformer
+from ladder.model import Transformer
 
 Slice = tuple[slice, slice]  # (rows, columns)
 ALL: Slice = (slice(None), slice(None))
@@ -28,6 +28,8 @@ class TensorSource(Protocol):
 
     def names(self) -> set[str]: ...
 
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
     def get(self, name: str, index: Slice = ALL) -> torch.Tensor: ...
 
 
@@ -37,6 +39,9 @@ class DictSource:
 
     def names(self) -> set[str]:
         return set(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
 
     def get(self, name: str, index: Slice = ALL) -> torch.Tensor:
         t = self.tensors[name]

@@ -1,0 +1,103 @@
+"""Measured speedups of a 70B-shard sweep beside the paper's Llama-3-70B H100 numbers, as markdown.
+
+Usage: python experiments/gpu/paper_comparison.py RESULTS.jsonl [--compiled COMPILED.jsonl]
+(scripts/gpu_checks.sh runs it; the emulated nvlink-h100 link stands for the paper's P2P-on runs,
+pcie-no-p2p for NCCL_P2P_DISABLE=1.)"""
+
+import argparse
+from pathlib import Path
+
+from ladder.bench.summary import decode_step, format_summary, hidden_fraction, read_results, summarise
+from ladder.predict.paper import P2P_LINKS, paper_throughputs
+
+P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}
+STEP_DESCRIPTIONS = {"compiled": "torch.compile with CUDA graphs",
+                     "CUDA graph": "the eager step captured as one CUDA graph (--cuda-graph)",
+                     "compiled layers + CUDA graph": "each layer compiled once for all layers, the step captured "
+                                                     "as one CUDA graph (--compile-layers --cuda-graph)",
+                     "compiled layers": "each layer compiled once for all layers, the step eager (--compile-layers)",
+                     "eager": "eager"}
+
+
+def paper_speedups() -> dict[tuple[str, str, int, int], float]:
+    """(layout, p2p, tp, batch) -> the paper's tokens/s over standard's. Upper bound does not
+    communicate and was run once, with P2P on: it serves both conditions."""
+    rows = paper_throughputs()
+    out = {}
+    for (layout, tp, b, p2p), standard in rows.items():
+        if layout != "standard":
+            continue
+        for other in ("standard", "parallel", "ladder", "upper-bound"):
+            tps = rows.get((other, tp, b, "on" if other == "upper-bound" else p2p))
+            if tps:
+                out[(other, p2p, tp, b)] = tps / standard
+    return out
+
+
+def comparison(records: list[dict]) -> str:
+    paper = paper_speedups()
+    rows = summarise(records)
+    lines = ["| link | tp | batch | layout | tokens/s | speedup | paper | hidden | paper hidden |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p2p = P2P_OF_LINK.get(r["interconnect"])
+        same_model = r["preset"] == "llama-3-70b"
+        published = paper.get((r["layout"], p2p, r["tp"], r["batch_size"])) if p2p and same_model else None
+        upper = paper.get(("upper-bound", p2p, r["tp"], r["batch_size"]))
+        paper_hidden = None
+        if r["layout"] == "ladder" and published and upper:  # times relative to standard's: 1 / speedup
+            paper_hidden = hidden_fraction(1.0, 1 / published, 1 / upper)
+        fmt = lambda v, spec: format(v, spec) if v is not None else ""
+        lines.append(f"| {r['link']} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
+                     f"{fmt(r['speedup'], '.3f')} | {fmt(published, '.3f')} | {fmt(r['hidden'], '.2f')} | "
+                     f"{fmt(paper_hidden, '.2f')} |")
+    return "\n".join(lines)
+
+
+def traces(records: list[dict]) -> str:
+    """The overlap read back from each configuration's profiler trace; "" when none was profiled."""
+    lines = ["| link | batch | layout | link time in trace (ms) | share overlapped by compute | trace |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        link = (r.get("trace") or {}).get("link")
+        if r.get("status") == "ok" and link:
+            lines.append(f"| {r['interconnect']} | {r['batch_size']} | {r['layout']} | {link['link_s'] * 1e3:.2f} | "
+                         f"{link['overlap_fraction']:.2f} | {Path(r['trace']['path']).name} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results")
+    parser.add_argument("--compiled", help="the TP-1 compiled sweep")
+    args = parser.parse_args()
+    records = read_results(Path(args.results))
+    ok = [r for r in records if r.get("status") == "ok"]
+    env = ok[0]["env"] if ok else {}
+    preset, tp = (ok[0]["preset"], ok[0]["tp"]) if ok else ("?", "?")
+    print(f"# {preset} at TP {tp}, one rank's shard, emulated links\n")
+    print(f"Device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, ladder "
+          f"{env.get('git_commit')}; {len(ok)} configurations measured, {len(records) - len(ok)} failed.\n")
+    if ok:
+        step = STEP_DESCRIPTIONS[decode_step(ok[0])]
+        print(f"Decode step: {step}; {ok[0]['warmup']} warm-up + {ok[0]['runs']} measured runs of prompt "
+              f"{ok[0]['prompt_len']}, {ok[0]['gen_len']} new tokens per configuration, layouts taking turns.\n")
+    print("Speedup over standard at equal link and batch, beside the paper's (nvlink-h100 = P2P on, "
+          "pcie-no-p2p = P2P off); hidden = (t_standard - t_ladder) / (t_standard - t_upper_bound).\n")
+    print(comparison(records))
+    traced = traces(records)
+    if traced:  # (the compiled sweep is not profiled)
+        print("\n## Profiler traces (a short run per configuration)\n")
+        print(traced)
+    failed = [r for r in records if r.get("status") != "ok"]
+    if failed:
+        print("\n## Failed configurations\n")
+        for r in failed:
+            print(f"- {r['layout']} {r['interconnect']} batch {r['batch_size']}: {r['error']}")
+    if args.compiled:
+        print("\n## Compiled path at TP 1 (torch.compile, CUDA graphs on GPU)\n")
+        print(format_summary(summarise(read_results(Path(args.compiled))), markdown=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""`ladder generate`: text or token ids from any model, layout and TP degree."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ladder.checkpoint.tokenizer import StreamDecoder, TextTokenizer
+from ladder.cli.common import add_model_options, decode_step, info, model_spec, parse_ids
+from ladder.comm.distributed import check_ranks_agree, init_distributed, print_rank0, shutdown_distributed
+from ladder.comm.launch import launch
+from ladder.decode_step import DecodeStep
+from ladder.engine import Engine, SamplingParams
+from ladder.errors import LadderError
+from ladder.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    model: ModelSpec
+    max_new_tokens: int
+    prompt_ids: list[list[int]] | None = None  # token ids, or text below (needs a tokenizer)
+    prompt: str | None = None
+    chat: str | None = None
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_ids: tuple[int, ...] = ()
+    decode_step: DecodeStep = DecodeStep.EAGER
+
+
+def _prompt_tensor(req: GenerateRequest, tokenizer: TextTokenizer | None, vocab: int) -> torch.Tensor:
+    if req.prompt_ids is not None:
+        bad = [t for p in req.prompt_ids for t in p if not 0 <= t < vocab]
+        if bad:
+            raise LadderError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return torch.tensor(req.prompt_ids, dtype=torch.long)
+    if tokenizer is None:
+        raise LadderError("this model has no tokenizer: give --prompt-ids instead of text")
+    if req.chat is not None:
+        text = tokenizer.render_chat([{"role": "user", "content": req.chat}])
+        ids = tokenizer.encode(text, add_bos=False)  # the template writes its own special tokens
+    else:
+        ids = tokenizer.encode(req.prompt or "")
+    if not ids:
+        raise LadderError("the prompt is empty")
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
+    """One rank's share of `ladder generate` (runs in each worker process)."""
+    ctx = init_distributed(req.model.device)
+    try:
+        loaded = req.model.load(ctx.communicator(), ctx.device)
+        tokenizer = loaded.tokenizer
+        prompt = _prompt_tensor(req, tokenizer, loaded.model.config.vocab_size)
+        check_ranks_agree((req, prompt.tolist()), "options or prompt tokens")
+        info(f"ladder: {req.model.describe(loaded)}")
+        if loaded.random_weights:
+            info("ladder: weights are RANDOM: the generated ids are not meaningful text")
+        engine = Engine(loaded.model, req.decode_step)
+        sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.model.seed)
+        text_mode = req.prompt_ids is None
+        stop_ids = tuple(req.stop_ids) + (tuple(tokenizer.stop_ids) if text_mode and tokenizer else ())
+        batch = prompt.shape[0]
+        stream = StreamDecoder(tokenizer) if text_mode else None
+
+        def on_token(token: torch.Tensor) -> None:
+            if stream is not None:
+                if int(token[0]) not in stop_ids:
+                    print_rank0(stream.push(int(token[0])), end="")
+            elif batch == 1:
+                print_rank0(f"{int(token[0])} ", end="")
+
+        if not text_mode and batch == 1:
+            print_rank0("generated: ", end="")
+        result = engine.generate(prompt, req.max_new_tokens, sampling, stop_ids, on_token)
+        if text_mode or batch == 1:
+            print_rank0()
+        else:
+            for i, row in enumerate(result.tokens):
+                print_rank0(f"generated[{i}]: {' '.join(map(str, row))}")
+        n = result.n_generated
+        info(f"ladder: {n} tokens, prefill {prompt.shape[1]} tokens in {result.prefill_s * 1e3:.0f} ms, decode "
+             f"{batch * max(n - 1, 0) / max(result.decode_s, 1e-9):.1f} tokens/s")
+        return result.tokens
+    finally:
+        shutdown_distributed()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    spec = model_spec(args)
+    config = spec.validate()
+    given = [x is not None for x in (args.prompt_ids, args.prompt, args.chat)]
+    if sum(given) != 1:
+        raise LadderError("give exactly one of --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3")
+    if args.max_new_tokens < 1:
+        raise LadderError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    step = decode_step(args)
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # its checks, before the minutes of loading
+    prompts = [parse_ids(p, "--prompt-ids") for p in args.prompt_ids] if args.prompt_ids else None
+    if prompts:
+        if len({len(p) for p in prompts}) > 1:
+            raise LadderError(f"batched prompts must have equal lengths, got {[len(p) for p in prompts]}")
+        if config is not None:
+            total = len(prompts[0]) + args.max_new_tokens
+            if total > config.max_seq_len:
+                raise LadderError(f"prompt of {len(prompts[0])} tokens + {args.max_new_tokens} new tokens = {total} "
+                                  f"exceeds the model's max_seq_len {config.max_seq_len}")
+            bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
+            if bad:
+                raise LadderError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    stop_ids = tuple(parse_ids(args.stop_ids, "--stop-ids")) if args.stop_ids else ()
+    req = GenerateRequest(model=spec, max_new_tokens=args.max_new_tokens, prompt_ids=prompts, prompt=args.prompt,
+                          chat=args.chat, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          stop_ids=stop_ids, decode_step=step)
+    launch(generate_on_rank, spec.tp, req, device=spec.device)
+    return 0
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder generate`'s options."""
+    g = sub.add_parser("generate", help="generate text (or ids) with any model, layout and TP degree")
+    add_model_options(g)
+    g.add_argument("--chat", metavar="TEXT", help="a user message, wrapped in the model's chat template")
+    g.add_argument("--prompt", metavar="TEXT", help="plain text to continue")
+    g.add_argument("--prompt-ids", action="append", metavar="IDS",
+                   help="comma-separated prompt token ids; repeat for a batch of equal-length prompts")
+    g.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per sequence")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    g.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
+    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probability reaches p")
+    g.add_argument("--stop-ids", help="comma-separated ids that end a sequence")
+    g.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on GPU)")
+    g.add_argument("--compile-layers", action="store_true",
+                   help="torch.compile each layer's attention and MLP, one graph for all layers (seconds for any depth)")
+    g.set_defaults(func=cmd_generate)
+    return g

@@ -1,0 +1,314 @@
+"""`ladder train`: pretraining from a preset, or adaptation of a checkpoint converted to ladder.
+
+Data parallel on an existing engine: PyTorch DDP or FSDP2 (`fully_shard`) under torchrun or `--nproc`,
+gloo on CPU. Every rank takes its own slice of each global batch; the loss is the mean over the global
+batch, so a run at world size 2 follows the same curve as world size 1 with the same global batch.
+
+Never loses work: a checkpoint (`ladder.train.checkpoints`) every `checkpoint_every` steps and on
+Ctrl-C or SIGTERM; `--resume` continues from the newest one and reproduces the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from ladder.checkpoint.tokenizer import TextTokenizer
+from ladder.comm.base import LocalCommunicator
+from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint, init_distributed,
+                                     shutdown_distributed)
+from ladder.errors import LadderError, Stopped
+from ladder.model import Transformer
+from ladder.spec import ModelSpec
+from ladder.train.checkpoints import (check_out_dir_is_shared, checkpoint_dirs, load_latest_checkpoint,
+                                      resume_optimizer, save_checkpoint)
+from ladder.train.data import Batches, pack, read_texts
+from ladder.train.settings import TrainConfig
+from ladder.train.simulate import SimulatedRanks
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay from lr to min_lr at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    final_dir: Path
+    eval_loss: float | None
+
+
+def _autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+
+def model_spec(config: TrainConfig) -> ModelSpec:
+    """The model a run trains (TP 1, float32 master weights); a desync model records the TP degree it is
+    trained for, its ranks simulated (default 2). Random weights are the documented initialisation."""
+    spec = ModelSpec(preset=config.preset or "tiny", model=config.model, layout=config.layout,
+                     ladder_layers=config.ladder_layers, desync_reduce=config.desync_reduce, device=config.device,
+                     dtype="float32", seed=config.seed)
+    layout = spec.config().layout
+    if layout == "upper-bound":
+        raise LadderError("the upper-bound layout never re-synchronises its ranks: a speed ceiling, not a model "
+                          "to train (train desync instead)")
+    if layout != "desync":
+        if config.desync_tp is not None:
+            raise LadderError(f"desync_tp is set ({config.desync_tp}) but the layout is {layout!r}")
+        return spec
+    tp = config.desync_tp or spec.config().desync_tp or 2
+    spec.config().check_tp(tp)
+    return spec.replace(desync_tp=tp)
+
+
+def _build(config: TrainConfig, device: torch.device) -> tuple[Transformer, TextTokenizer]:
+    """The model and the tokenizer that reads its text (a checkpoint's own, or bytes from scratch)."""
+    spec = model_spec(config)
+    if config.model:
+        loaded = spec.load(LocalCommunicator(), device)
+        if loaded.tokenizer is None:
+            raise LadderError(f"{config.model} has no tokenizer to read the training text with")
+        return loaded.model, loaded.tokenizer
+    tokenizer = TextTokenizer.bytes()
+    vocab = spec.config().vocab_size
+    if vocab != tokenizer.vocab_size:
+        raise LadderError(f"preset {config.preset} has vocab_size {vocab}; training from scratch "
+                          f"uses a byte tokenizer (256): pick a preset with vocab_size 256, such as tiny")
+    return spec.load(LocalCommunicator(), device).model, tokenizer
+
+
+def freeze_non_ladder(model: Any) -> int:
+    """Train only the ladder layers (adaptation); returns the number of trainable parameters."""
+    n_ladder = model.config.n_ladder_layers
+    if n_ladder == 0:
+        raise LadderError("train_only_ladder_layers needs a ladder conversion (set ladder_layers)")
+    first = model.config.n_layers - n_ladder
+    for name, p in model.named_parameters():
+        p.requires_grad = name.startswith("layers.") and int(name.split(".")[1]) >= first
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Run (or continue) training on this rank; world size and rank come from the environment."""
+    config.validate()  # configs built in Python skip load_train_config
+    ctx = init_distributed(config.device)
+    try:
+        run = _Run(config, ctx, resume)
+        return run.loop(progress)
+    finally:
+        shutdown_distributed()
+
+
+class _Run:
+    """One rank's training run: its model (and what wraps it), optimizer and data, set up in order."""
+
+    def __init__(self, config: TrainConfig, ctx: DistContext, resume: bool) -> None:
+        self.config, self.ctx, self.out_dir = config, ctx, Path(config.out_dir)
+        world, rank = ctx.world_size, ctx.rank
+        if config.batch_size % (world * config.micro_batch_size):
+            raise LadderError(f"batch_size {config.batch_size} must be a multiple of world size {world} x "
+                              f"micro_batch_size {config.micro_batch_size}")
+        self.accumulation = config.batch_size // (world * config.micro_batch_size)
+        check_out_dir_is_shared(self.out_dir, rank, world)
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        model, self.tokenizer = _build(config, ctx.device)
+        if config.seq_len > model.config.max_seq_len:
+            raise LadderError(f"seq_len {config.seq_len} exceeds the model's context (max_seq_len "
+                              f"{model.config.max_seq_len})")
+        if config.train_only_ladder_layers:
+            freeze_non_ladder(model)
+        self.batches = Batches(pack(read_texts(config.data), self.tokenizer, config.seq_len), config.batch_size,
+                               config.seed)
+        self.heldout = pack(read_texts(config.heldout), self.tokenizer, config.seq_len) if config.heldout else None
+        # Ranks with other settings (under torchrun each node has its own command line) would apply one
+        # averaged gradient differently, and their replicas drift apart without an error.
+        check_ranks_agree((dataclasses.asdict(config), resume, fingerprint(self.batches.sequences),
+                           fingerprint(self.heldout)), "training settings or data")
+        latest = None
+        if resume:
+            latest = load_latest_checkpoint(self.out_dir, model)  # weights load before FSDP shards them
+        elif checkpoint_dirs(self.out_dir):
+            raise LadderError(f"{self.out_dir} already holds checkpoints: pass --resume to continue, or choose "
+                              "another out_dir")
+        self.core = model  # the Transformer: what checkpoints save
+        self.net = _simulated_ranks_if_desync(model, config, world)  # what computes the loss, before DP
+        self.model = _data_parallel(self.net, config, world)
+        self.optimizer, self.trainable = _adamw(self.model, config)
+        self.start_step = resume_optimizer(latest, self.optimizer, rank, world) if latest else 0
+        self.losses: list[float] = []
+        self.eval_loss: float | None = None
+
+    def loop(self, progress: bool) -> TrainResult:
+        config, rank = self.config, self.ctx.rank
+        if rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        bar = tqdm(range(self.start_step, config.steps), initial=self.start_step, total=config.steps, desc="train",
+                   disable=not (progress and rank == 0), dynamic_ncols=True)
+        stop = _StopRequest()
+        try:
+            for step in bar:
+                record, stopping_now = self.step(step, stop)
+                if rank == 0:
+                    with (self.out_dir / "metrics.jsonl").open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if step + 1 < config.steps:  # the last step is saved after the loop
+                    stopping = config.stop_at is not None and step + 1 >= config.stop_at
+                    if stopping or stopping_now or (step + 1) % config.checkpoint_every == 0:
+                        saved = self.save(step + 1)
+                        if stopping_now:
+                            stop.raise_stop(f"saved step {step + 1} to {self.out_dir / 'checkpoints'}; continue "
+                                            "with --resume")
+                        if stopping:
+                            return TrainResult(self.losses, saved, self.eval_loss)
+        finally:
+            stop.restore()
+        if self.eval_loss is None and self.heldout is not None:  # e.g. resumed a run that had already finished
+            self.eval_loss = evaluate_loss(self.net, self.heldout, config, self.ctx)
+        return TrainResult(self.losses, self.save(config.steps), self.eval_loss)
+
+    def step(self, step: int, stop: _StopRequest) -> tuple[dict[str, Any], bool]:
+        """One optimizer step; its metrics record, and whether any rank was asked to stop."""
+        config, ctx = self.config, self.ctx
+        t0 = time.perf_counter()
+        lr = learning_rate(step, config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        local = self.batches.global_batch(step)[ctx.rank::ctx.world_size]  # this rank's shard of the global batch
+        loss_sum = _accumulate_gradients(self.model, local, config, self.accumulation, ctx.device)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        agreed = torch.stack([loss_sum, torch.tensor(float(stop.signum > 0), device=ctx.device)])
+        if ctx.world_size > 1:
+            dist.all_reduce(agreed)  # the mean loss, and whether any rank was asked to stop
+        loss_value, stopping_now = float(agreed[0] / ctx.world_size), bool(agreed[1] > 0)
+        if not math.isfinite(loss_value):
+            raise LadderError(f"the loss became {loss_value} at step {step}: lower lr (now {lr:g})")
+        self.losses.append(loss_value)
+        tokens_per_step = config.batch_size * config.seq_len
+        record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                                  "tokens": (step + 1) * tokens_per_step,
+                                  "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
+        if self.heldout is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+            self.eval_loss = evaluate_loss(self.net, self.heldout, config, ctx)
+            record.update(eval_loss=self.eval_loss, eval_ppl=math.exp(self.eval_loss))
+        return record, stopping_now
+
+    def save(self, step: int) -> Path:
+        return save_checkpoint(self.out_dir, step, self.core, self.optimizer, self.config, self.tokenizer,
+                               self.ctx.rank, self.ctx.world_size)
+
+
+def _simulated_ranks_if_desync(model: Any, config: TrainConfig, world: int) -> Any:
+    """Desync trains every simulated TP rank inside each process (`ladder.train.simulate`); other layouts
+    as is."""
+    if model.config.layout != "desync":
+        return model
+    if world > 1 and config.parallel == "fsdp":
+        raise LadderError("desync training simulates its ranks inside each process, which FSDP cannot shard: "
+                          "use parallel=ddp")
+    return SimulatedRanks(model, model.config.desync_tp)
+
+
+def _data_parallel(model: Any, config: TrainConfig, world: int) -> Any:
+    """Wrap the model for data parallelism over `world` ranks (FSDP2 or DDP); alone, unchanged."""
+    if world == 1:
+        return model
+    if config.parallel == "fsdp":
+        # FSDP2 gathers parameters in a module's forward hooks; the layout loop calls the attention
+        # and MLP modules (not Block.forward), so those are the units; norms and embeddings go to the root.
+        for layer in model.layers:
+            fully_shard(layer.attention)
+            fully_shard(layer.feed_forward)
+        fully_shard(model)
+        return model
+    return DistributedDataParallel(model)
+
+
+def _adamw(model: Any, config: TrainConfig) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """AdamW over the trainable parameters, without weight decay on gains and biases (1-D)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, betas=(config.beta1, config.beta2), foreach=False)
+    return optimizer, trainable
+
+
+def _accumulate_gradients(model: Any, local: torch.Tensor, config: TrainConfig, accumulation: int,
+                          device: torch.device) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches; returns their summed loss (already divided by
+    the accumulation steps, so the sum over ranks / world is the global batch's mean loss)."""
+    loss_sum = torch.zeros((), device=device)
+    model.train()
+    for micro in local.split(config.micro_batch_size):  # (micro_batch_size, seq_len + 1) token ids
+        micro = micro.to(device)
+        with _autocast(config, device):
+            logits = model(micro[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / accumulation
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+class _StopRequest:
+    """Ctrl-C and SIGTERM (a scheduler's pre-emption) ask training to stop at the end of the current step,
+    where every rank agrees on it and saves the same step: a rank stopped mid-step would leave the
+    others waiting in a collective. Later signals (pressed again, or the launcher passing the first on
+    to its workers) are ignored, so the checkpoint is not cut short."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._request) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _request(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def raise_stop(self, said: str) -> None:
+        if self.signum in (0, signal.SIGINT):
+            raise KeyboardInterrupt(said)
+        raise Stopped(self.signum, said)
+
+
+@torch.no_grad()
+def evaluate_loss(model: Any, heldout: torch.Tensor, config: TrainConfig, ctx: Any) -> float:
+    """Mean token loss on the first `eval_batches` held-out micro-batches (the same ones every time)."""
+    model.eval()
+    total, count = 0.0, 0
+    for micro in heldout[: config.eval_batches * config.micro_batch_size].split(config.micro_batch_size):
+        micro = micro.to(ctx.device)
+        logits = model(micro[:, :-1]).float()
+        total += F.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten(), reduction="sum").item()
+        count += micro[:, 1:].numel()
+    model.train()
+    return total / count

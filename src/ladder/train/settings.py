@@ -1,0 +1,158 @@
+"""`ladder train`'s settings: a dataclass read from YAML or TOML and `key=value` overrides, every
+key known and every value checked before a worker starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ladder.errors import LadderError
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. Load from YAML/TOML (`load_train_config`), override with `key=value`."""
+
+    # model: a preset trained from scratch, or a checkpoint adapted
+    preset: str | None = "tiny"
+    model: str | None = None  # checkpoint (path or short name); wins over preset
+    layout: str | None = None
+    ladder_layers: int | None = None
+    train_only_ladder_layers: bool = False  # adaptation: freeze everything but the converted layers
+    desync_reduce: str | None = None  # desync layout: which modules all-reduce (default: the MLPs)
+    desync_tp: int | None = None  # desync layout: the TP degree to train for, ranks simulated (default: 2)
+    # data
+    data: list[str] = field(default_factory=lambda: ["shakespeare:train"])
+    heldout: list[str] = field(default_factory=lambda: ["shakespeare:heldout"])
+    seq_len: int = 128
+    # optimisation
+    steps: int = 200
+    batch_size: int = 16  # sequences per optimizer step (global, over all ranks)
+    micro_batch_size: int = 8  # sequences per forward on one rank (gradient accumulation makes up the rest)
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
+    parallel: str = "ddp"  # ddp or fsdp (used when the world size is > 1)
+    # bookkeeping
+    out_dir: str = "runs/train"
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    eval_every: int = 50
+    eval_batches: int = 8
+    device: str = "auto"
+    stop_at: int | None = None  # stop after this step as if interrupted (time-boxed jobs; resume continues)
+
+    def validate(self) -> None:
+        if self.seq_len < 2:
+            raise LadderError(f"seq_len must be >= 2, got {self.seq_len}")
+        if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1:
+            raise LadderError("steps, batch_size and micro_batch_size must be >= 1")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise LadderError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise LadderError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if not self.data:
+            raise LadderError("no training data: set data to text files, folders or shakespeare:train")
+        for name in ("lr", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches"):
+            if not getattr(self, name) > 0:  # `not >` also refuses nan
+                raise LadderError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise LadderError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.min_lr > self.lr:
+            raise LadderError(f"min_lr {self.min_lr:g} is above lr {self.lr:g}: the schedule decays from lr to min_lr")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise LadderError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+def settings_help() -> str:
+    """`ladder train --help`'s list of the settings, each as an override with its default value."""
+    def spelled(value: Any) -> str:  # as it would be written on the command line
+        if isinstance(value, list):
+            return ",".join(value)
+        return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    defaults = TrainConfig()
+    return "settings (KEY=VALUE, or keys of the --config file) and their defaults: " + ", ".join(
+        f"{f.name}={spelled(getattr(defaults, f.name))}" for f in dataclasses.fields(TrainConfig)) + "."
+
+
+def _coerce(name: str, value: Any, current: Any) -> Any:
+    kind = {f.name: f.type for f in dataclasses.fields(TrainConfig)}[name]
+    if isinstance(value, str) and "list" in str(kind):
+        return [v for v in value.split(",") if v]
+    if isinstance(value, str):
+        if value.lower() in ("none", "null") and "None" in str(kind):
+            return None
+        if "bool" in str(kind):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise LadderError(f"{name} expects true or false, got {value!r}")
+            return value.lower() in ("true", "1", "yes")
+        if "int" in str(kind):
+            try:
+                return int(value)
+            except ValueError:
+                raise LadderError(f"{name} expects an integer, got {value!r}") from None
+        if "float" in str(kind):
+            try:
+                return float(value)
+            except ValueError:
+                raise LadderError(f"{name} expects a number, got {value!r}") from None
+    return value
+
+
+def _toml() -> Any:
+    """The standard library's TOML reader (Python 3.11+), or the same one as the tomli package on 3.10."""
+    try:
+        import tomllib
+        return tomllib
+    except ImportError:
+        try:
+            import tomli
+            return tomli
+        except ImportError:
+            raise LadderError("reading TOML on Python 3.10 needs tomli: pip install tomli (or use YAML)") from None
+
+
+def load_train_config(path: str | None, overrides: list[str]) -> TrainConfig:
+    """A config file (YAML or TOML), then `key=value` overrides; unknown keys are errors."""
+    values: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise LadderError(f"no config file at {path}")
+        toml = _toml() if p.suffix == ".toml" else None  # (outside the try: its error is not a parse error)
+        try:
+            if toml is not None:
+                values = toml.loads(p.read_text())
+            else:
+                values = yaml.safe_load(p.read_text()) or {}
+        except Exception as exc:
+            raise LadderError(f"{path} is not valid {'TOML' if p.suffix == '.toml' else 'YAML'} ({exc})") from None
+        if not isinstance(values, dict):
+            raise LadderError(f"{path} must hold a mapping of config keys")
+    for item in overrides:
+        if "=" not in item:
+            raise LadderError(f"override {item!r} is not key=value")
+        key, value = item.split("=", 1)
+        values[key.strip().replace("-", "_")] = value
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise LadderError(f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+    config = TrainConfig()
+    for key, value in values.items():
+        setattr(config, key, _coerce(key, value, getattr(config, key)))
+    config.validate()
+    return config
