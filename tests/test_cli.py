@@ -211,7 +211,7 @@ def _environment_of_rank() -> tuple[str | None, str | None, str]:
 def test_workers_see_the_environment_of_each_launch(spawn, monkeypatch):
     # Forked workers come from a server started at the first launch: they must not see its environment.
     if spawn:
-        monkeypatch.setattr("ladder.launch._start_method", lambda: "spawn")
+        monkeypatch.setattr("ladder.comm.launch._start_method", lambda: "spawn")
     monkeypatch.setenv("LADDER_TEST_GONE", "1")
     monkeypatch.setenv("LADDER_TEST_SETTING", "first")
     assert launch(_environment_of_rank, 2) == {0: ("first", "1", "0"), 1: ("first", "1", "1")}

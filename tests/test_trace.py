@@ -16,7 +16,7 @@ from ladder.bench.trace import SYNC_MARKER, link_overlap, read_trace
 
 from helpers import in_flight_at_each_wait
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "experiments" / "gpu"
 
 
 def op(name, ts, dur, cat="cpu_op", tid=1):

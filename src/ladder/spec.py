@@ -123,13 +123,19 @@ class ModelSpec:
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         return DTYPES[self.dtype_name(device)]
 
-    def load(self, comm: Communicator, device: torch.device, exact: bool = True) -> LoadedModel:
+    def load(self, comm: Communicator, device: torch.device, exact: bool = True,
+             simulated_ranks: bool = False) -> LoadedModel:
         """Build this rank's shard and fill it: from the checkpoint, or with seeded random weights
         (`exact`: slices of one whole model, the same function at any TP degree; otherwise drawn in the
-        shard directly, for speed benchmarks of models too large to build whole)."""
+        shard directly, for speed benchmarks of models too large to build whole). `simulated_ranks`:
+        the whole model of a desync layout whose ranks training simulates (`ladder.train.simulate`),
+        not a run at the TP degree it is defined for."""
         start = time.perf_counter()
         config, dtype = self.config(), self.torch_dtype(device)
-        config.check_run_tp(comm.world_size)
+        if simulated_ranks:
+            config.check_tp(comm.world_size)
+        else:
+            config.check_run_tp(comm.world_size)
         if self.model is None:
             model = random_model(config, comm, device, dtype, seed=self.seed, shard_vocab=self.shard_vocab,
                                  exact=exact)

@@ -86,7 +86,7 @@ def _build(config: TrainConfig, device: torch.device) -> tuple[Transformer, Text
     """The model and the tokenizer that reads its text (a checkpoint's own, or bytes from scratch)."""
     spec = model_spec(config)
     if config.model:
-        loaded = spec.load(LocalCommunicator(), device)
+        loaded = spec.load(LocalCommunicator(), device, simulated_ranks=True)
         if loaded.tokenizer is None:
             raise LadderError(f"{config.model} has no tokenizer to read the training text with")
         return loaded.model, loaded.tokenizer
@@ -95,7 +95,7 @@ def _build(config: TrainConfig, device: torch.device) -> tuple[Transformer, Text
     if vocab != tokenizer.vocab_size:
         raise LadderError(f"preset {config.preset} has vocab_size {vocab}; training from scratch "
                           f"uses a byte tokenizer (256): pick a preset with vocab_size 256, such as tiny")
-    return spec.load(LocalCommunicator(), device).model, tokenizer
+    return spec.load(LocalCommunicator(), device, simulated_ranks=True).model, tokenizer
 
 
 def freeze_non_ladder(model: Any) -> int:
