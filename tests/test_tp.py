@@ -122,6 +122,6 @@ def _gloo_threads_after_shutdown() -> tuple[int, int, int]:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_shutdown_joins_the_gloo_threads_while_python_is_alive():
     """Left to interpreter finalization, a gloo thread releasing its last collective takes the GIL and
-    aborts the process (SIGABRT) now and then; shutdown must end them (see ladder.distributed)."""
+    aborts the process (SIGABRT) now and then; shutdown must end them (see ladder.comm.distributed)."""
     for before, during, after in launch(_gloo_threads_after_shutdown, 2).values():
         assert during > before and after == before, (before, during, after)

@@ -1,4 +1,4 @@
-"""How long `ladder.launch` takes to start workers that do nothing: the first launch (which on CPU
+"""How long `ladder.comm.launch` takes to start workers that do nothing: the first launch (which on CPU
 starts the fork server) and the ones after it. Run: .venv/bin/python experiments/investigations/launch_time.py [--nproc 2]"""
 
 import argparse

@@ -7,11 +7,11 @@ import os as _os
 import signal as _signal
 
 if _os.environ.get("LADDER_LAUNCHED_WORKER") == "1":
-    # A process that ladder.launch started, a worker or the fork server of workers (this import comes
+    # A process that ladder.comm.launch started, a worker or the fork server of workers (this import comes
     # early in its start-up, before torch's). Ctrl-C reaches the whole process group: the process ends
     # at once and silently (the default action), and the launching process alone reports it, in one
     # line. Python's KeyboardInterrupt would print a traceback from every process. (A worker whose
-    # function handles Ctrl-C, as training does, sets that up itself: ladder.launch._worker.)
+    # function handles Ctrl-C, as training does, sets that up itself: ladder.comm.launch._worker.)
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
 
 from ladder.config import LAYOUTS, PRESETS, ModelConfig, get_preset

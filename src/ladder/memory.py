@@ -16,8 +16,8 @@ def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: 
                           models: int = 1, weight_sets: int = 1) -> int:
     """One rank's weights (shared by the `models` models: one set, unless `weight_sets` says otherwise),
     the KV cache of each model, and the largest activation (one model runs at a time: the prefill's),
-    in bytes, for rank 0 (which holds the most heads when they do not divide evenly). Within 2 % of the
-    peak an H100 measured for the 70B shard at TP 8, batch 64 (tests/test_bench.py)."""
+    in bytes, for rank 0 (which holds the most heads when they do not divide evenly). tests/test_bench.py
+    holds it to the peaks measured on an H100."""
     shard = ShardShape.of(config, 0, tp)
     vocab_weights = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)  # whole on every rank
     weights = (config.n_params() - vocab_weights) / tp + vocab_weights

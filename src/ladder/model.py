@@ -173,7 +173,7 @@ class Transformer(nn.Module):
         self.shard = ShardShape.of(config, rank, tp, self.shard_vocab)
         # Built on meta, filled later (ladder.weights). Given its storage, nn.Embedding skips its normal_
         # initialiser: on meta, torch runs it through a Python reference whose first use imports
-        # torch._dynamo, 2-3 s of every command's start-up.
+        # torch._dynamo, seconds of every command's start-up.
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim,
                                            _weight=torch.empty(config.vocab_size, config.dim))
         self.layers = nn.ModuleList(Block(config, self.shard) for _ in range(config.n_layers))

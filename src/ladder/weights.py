@@ -225,7 +225,7 @@ def export_hf_state_dict(model: Transformer, params: dict[str, torch.Tensor] | N
 def rank_parameters(config: ModelConfig, hf: dict[str, torch.Tensor], rank: int, tp: int,
                     prefix: str = "") -> dict[str, torch.Tensor]:
     """Rank `rank`'s parameters (our names starting with `prefix`) cut from whole Hugging Face tensors:
-    the same slices `load_weights` copies on a real rank, but differentiable (see `ladder.simulate`)."""
+    the same slices `load_weights` copies on a real rank, but differentiable (see `ladder.train.simulate`)."""
     source = DictSource(hf)
     return {name: _assemble(source, parts) for name, parts in shard_plan(config, ShardShape.of(config, rank, tp), rank)
             if name.startswith(prefix) and parts[0][0] in hf}

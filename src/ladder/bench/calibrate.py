@@ -29,7 +29,7 @@ def calibrate_link_scale(point: BenchPoint, share: float, steps: int = 16) -> tu
     step on this machine, and the two times it comes from (compute and undilated link, s a step).
 
     A fixed `--link-scale` keeps the link, so the compute : communication ratio moves with this machine's
-    speed on the day (30 % from one day to the next on a shared 2-core VM); this keeps the ratio where
+    speed on the day (a shared VM's speed varies from day to day); this keeps the ratio where
     the modelled GPUs have it. Rank 0's standard shard is timed over a link of no duration, in a worker
     like the measured ones (same threads)."""
     compute_s, link_s = launch(_standard_step_times, 1, point, steps, isolate=True, device=point.device)[0]

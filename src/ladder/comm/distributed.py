@@ -25,8 +25,8 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("LADDER_DIST_TIMEOUT", "300"))
 # (funcol.all_reduce returns an AsyncCollectiveTensor) keep the process group alive past
 # destroy_process_group, and with it gloo's worker threads: one of them releasing its last collective
 # after the interpreter has begun to finalize takes the GIL and aborts the process (SIGABRT,
-# "terminate called without an active exception": pytorch#190489; 1 exit in 30 under load, two
-# nodes under torchrun). On the raw ops destroy_process_group joins those threads before we return.
+# "terminate called without an active exception": pytorch#190489, seen under torchrun on two
+# nodes). On the raw ops destroy_process_group joins those threads before we return.
 _functional = torch.ops._c10d_functional
 
 

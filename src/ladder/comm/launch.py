@@ -2,8 +2,8 @@
 processes with torch's own elastic launcher (what `torchrun --standalone` does).
 
 CPU workers are forked from a fork server that has imported torch once (where the platform has one):
-a fresh worker then starts in about 0.1 s rather than the 2-3 s a new interpreter takes to import
-torch, which a sweep pays for every configuration. GPU workers are spawned.
+a fresh worker then starts without importing torch again, which a sweep would otherwise pay for every
+configuration. GPU workers are spawned.
 
 When one rank fails, the launcher stops every other rank and `launch` raises a one-line
 `LadderError` naming the failed rank and its error; nothing hangs.

@@ -140,7 +140,7 @@ def predict_seconds(w: Workload, layout: str, gpu: GPU, link: LinkModel, k: dict
 def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gpu: GPU, links: Sequence[LinkModel],
                        k: dict[str, torch.Tensor]) -> torch.Tensor:
     """`predict_seconds` of many generations of one model shape at once, as a tensor: the fit
-    evaluates all its rows in each step (one row at a time, fitting took 30 s)."""
+    evaluates all its rows at each of its steps."""
     c, by = _one_shape(workloads, layouts)
     rows = _Rows.of(workloads, links)
     hd = c.head_dim

@@ -95,7 +95,7 @@ def fit_error(rows: list[dict[str, Any]], constants: Constants) -> float:
 
 
 def fit_on_paper() -> CostConstants:
-    """Fit the constants on the training part of the paper's table (batch sizes 1 and 64). ~1 s."""
+    """Fit the constants on the training part of the paper's table (batch sizes 1 and 64)."""
     return fit([r for r in paper_table() if r["batch_size"] in TRAIN_BATCHES])
 
 
