@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ladder.checkpoint.hf import open_hf, write_hf_files
 from ladder.comm.distributed import from_every_rank
@@ -113,6 +112,8 @@ def _barrier(world: int) -> None:
 
 def _full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a whole tensor (FSDP2 keeps DTensor shards: gather them)."""
+    from torch.distributed.tensor import DTensor  # (half a second to import: kept off other commands)
+
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
             for name, p in model.named_parameters(remove_duplicate=False)}
 

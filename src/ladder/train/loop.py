@@ -25,8 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ladder.checkpoint.tokenizer import TextTokenizer
@@ -237,6 +235,10 @@ def _data_parallel(model: Any, config: TrainConfig, world: int) -> Any:
     """Wrap the model for data parallelism over `world` ranks (FSDP2 or DDP); alone, unchanged."""
     if world == 1:
         return model
+    # Imported here: torch's FSDP and DDP modules take half a second to import, which no other command pays.
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
     if config.parallel == "fsdp":
         # FSDP2 gathers parameters in a module's forward hooks; the layout loop calls the attention
         # and MLP modules (not Block.forward), so those are the units; norms and embeddings go to the root.
