@@ -67,7 +67,8 @@ def model_spec(config: TrainConfig) -> ModelSpec:
     spec = ModelSpec(preset=config.preset or "tiny", model=config.model, layout=config.layout,
                      ladder_layers=config.ladder_layers, desync_reduce=config.desync_reduce, device=config.device,
                      dtype="float32", seed=config.seed)
-    layout = spec.config().layout
+    config_before = spec.config()
+    layout = config_before.layout
     if layout == "upper-bound":
         raise LadderError("the upper-bound layout never re-synchronises its ranks: a speed ceiling, not a model "
                           "to train (train desync instead)")
@@ -75,8 +76,8 @@ def model_spec(config: TrainConfig) -> ModelSpec:
         if config.desync_tp is not None:
             raise LadderError(f"desync_tp is set ({config.desync_tp}) but the layout is {layout!r}")
         return spec
-    tp = config.desync_tp or spec.config().desync_tp or 2
-    spec.config().check_tp(tp)
+    tp = config.desync_tp or config_before.desync_tp or 2
+    config_before.check_tp(tp)
     return spec.replace(desync_tp=tp)
 
 
