@@ -23,7 +23,7 @@ from ladder.memory import estimate_memory_bytes
 from ladder.errors import LadderError
 from ladder.comm.emulated import EmulatedCommunicator, wait_until
 from ladder.comm.links import LinkModel, get_link
-from ladder.bench.summary import failures, format_summary, read_results, summarise
+from ladder.bench.summary import failures, format_summary, layout_label, read_results, summarise
 
 from helpers import ladder_cli, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
@@ -74,7 +74,9 @@ def test_summary_speedups_and_hidden_fraction(sweep):
     rows = summarise(read_results(sweep[0]))
     ladder = [r for r in rows if r["layout"] == "ladder" and r["tp"] == 2]
     assert len(ladder) == 2 and all(r["speedup"] is not None for r in ladder)
-    assert all(r["hidden"] is not None for r in ladder)
+    # 300 us a message on the emulated link: standard is surely slower than the upper bound. (Over real gloo
+    # between two processes on two cores, noise may reverse them, and then there is nothing to judge.)
+    assert all(r["hidden"] is not None for r in ladder if r["emulated"])
     assert all(r["speedup"] == 1.0 for r in rows if r["layout"] == "standard")
     # The command pools the files it is given (here one file twice: the same runs, the same table).
     once, twice = (ladder_cli("bench", "summary", *[str(sweep[0])] * n) for n in (1, 2))
@@ -441,9 +443,18 @@ def test_a_hybrid_sweep_compares_ladder_on_the_last_layers_with_whole_baselines(
     assert {tuple(r["interleaved"]["layouts"]) for r in records} == {  # one hybrid per N, taking turns with the rest
         ("standard", "ladder[2]", "ladder[1]", "upper-bound")}
     for n in (1, 2):
-        hybrid = next(r for r in summarise(records) if r["layout"] == f"ladder[{n}]")
-        assert hybrid["speedup"] is not None and hybrid["hidden"] is not None
         assert f"ladder[{n}]" in result.stdout
+    # Each hybrid is paired with the one standard and upper bound. Measured seconds are noise at this size
+    # (one run of two tokens), so the pairing is checked on set throughputs: t = 1 / (tokens/s).
+    set_tokens_per_s = {"standard": 100.0, "ladder[2]": 110.0, "ladder[1]": 105.0, "upper-bound": 120.0}
+    for r in records:
+        r["tokens_per_s"] = set_tokens_per_s[layout_label(r)]
+        r["tokens_per_s_runs"] = [r["tokens_per_s"]]
+    rows = {r["layout"]: r for r in summarise(records)}
+    for n in (1, 2):
+        t_standard, t_hybrid, t_upper = (1 / set_tokens_per_s[k] for k in ("standard", f"ladder[{n}]", "upper-bound"))
+        assert rows[f"ladder[{n}]"]["speedup"] == pytest.approx(set_tokens_per_s[f"ladder[{n}]"] / 100.0)
+        assert rows[f"ladder[{n}]"]["hidden"] == pytest.approx((t_standard - t_hybrid) / (t_standard - t_upper))
 
 
 def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path):
