@@ -220,7 +220,7 @@ def test_predict_on_another_gpu_says_the_accuracy_is_the_h100s():
 def test_predict_reads_a_checkpoints_shape_from_its_config_json_alone(tmp_path):
     """A user predicting a model too large to download needs only its config.json: the shape read from
     it predicts what the preset of that shape does, under the checkpoint's name."""
-    from ladder.checkpoint.hf import config_to_hf
+    from ladder.checkpoint.hf_config import config_to_hf
     from ladder.checkpoint.resolve import read_shape
 
     folder = tmp_path / "Meta-Llama-3-70B"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ladder.checkpoint.base import Checkpoint
-from ladder.checkpoint.hf import config_from_hf
+from ladder.checkpoint.hf_config import config_from_hf
 from ladder.checkpoint.resolve import open_checkpoint, resolve_model
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import Communicator

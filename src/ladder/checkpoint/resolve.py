@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ladder.checkpoint.base import Checkpoint
 from ladder.checkpoint.gguf import open_gguf
-from ladder.checkpoint.hf import open_hf, read_hf_config
+from ladder.checkpoint.hf import open_hf
+from ladder.checkpoint.hf_config import read_hf_config
 from ladder.config import ModelConfig
 from ladder.errors import LadderError
 

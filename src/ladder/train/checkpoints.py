@@ -60,7 +60,7 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, optimizer:
         torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state(), "world_size": world},
                    tmp / f"optimizer-rank{rank}.pt")
         if rank == 0:
-            write_hf_files(tmp, model.config, export_hf_state_dict(model, full), tokenizer)
+            write_hf_files(tmp, model.config, export_hf_state_dict(model, full), tokenizer, final)
             (tmp / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
         _barrier(world)
         if rank == 0:
