@@ -55,7 +55,7 @@ def ladder_model(folder):
 
 
 def chat_ids(folder) -> torch.Tensor:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False)
     return torch.tensor([ids])
@@ -248,3 +248,19 @@ def test_reference_ladder_layers_other_than_the_last_ones_are_refused(tmp_path):
         ladder_model(folder)
     folder, _ = _reference_folder(tmp_path / "none", [])
     assert ladder_model(folder).model.config.layout == "standard"
+
+
+def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(tmp_path):
+    tiny = random_model(get_preset("tiny", layout="ladder", ladder_layers=3), LocalCommunicator(), CPU)
+    model = hf_model(save_hf(tmp_path / "tiny", tiny.config, export_hf_state_dict(tiny), None),
+                     attn_implementation="eager")
+    short, long = [5, 6, 7], [9, 10, 11, 12, 13, 14]
+    batch = torch.tensor([[0] * 3 + short, long])
+    mask = torch.tensor([[0] * 3 + [1] * 3, [1] * 6])
+    together = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for row, prompt in enumerate([short, long]):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert together[row, 6:].tolist() == alone[0, len(prompt):].tolist()
+    with torch.no_grad():
+        attentions = model(torch.tensor([long]), output_attentions=True).attentions
+    assert len(attentions) == 4 and attentions[0].shape == (1, 4, 6, 6)  # (batch, heads, query, key) per layer

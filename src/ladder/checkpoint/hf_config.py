@@ -125,12 +125,13 @@ def model_card(config: ModelConfig, name: str) -> str:
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)
 ```
 
 `trust_remote_code=True` runs `modeling_ladder_llama.py` from this folder (transformers' own Llama
 attention, MLP and norms; the layout in one loop). Without it transformers refuses the folder: run as a
-plain Llama, the same weights would give other answers.""" if runs_in_transformers else
+plain Llama, the same weights would give other answers. (The tokenizer is a plain one; the flag only
+saves transformers from asking about the folder's code while it reads the configuration.)""" if runs_in_transformers else
            f"""This layout keeps one residual stream per tensor-parallel rank, so it is defined only for its TP
 degree and sharding, and transformers refuses it with a one-line reason. Run it with ladder:
 `ladder generate --model {name} --tp N`.""")
