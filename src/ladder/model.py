@@ -75,13 +75,26 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: (B, n_kv, T, hd) written at positions input_pos (T,)
-        batch = k.shape[0]
-        self.k[:batch, :, input_pos] = k
-        self.v[:batch, :, input_pos] = v
-        return self.k[:batch], self.v[:batch]
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: slice | None = None,
+               kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, n_kv, T, hd) at positions `input_pos`, the same (T,) for every row or each row's
+        own (B, T), into cache rows `rows` (default: the first B); return those rows' first `kv_len` keys
+        and values (default: all)."""
+        rows = rows if rows is not None else slice(0, k.shape[0])
+        if input_pos.dim() == 1:
+            self.k[rows, :, input_pos] = k
+            self.v[rows, :, input_pos] = v
+        else:  # continuous batching: every request at its own position
+            row_index = torch.arange(rows.start, rows.stop, device=k.device)[:, None]  # (B, 1)
+            self.k[row_index, :, input_pos] = k.transpose(1, 2)  # indexed (B, T, n_kv, hd)
+            self.v[row_index, :, input_pos] = v.transpose(1, 2)
+        return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
+
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy a sequence's first `length` positions to another row (continuous batching keeps the
+        running requests in the first rows)."""
+        self.k[target, :, :length] = self.k[source, :, :length]
+        self.v[target, :, :length] = self.v[source, :, :length]
 
 
 class Attention(nn.Module):
@@ -95,8 +108,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)  # row-parallel
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
+                mask: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
         q, k, v = self.wqkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
@@ -105,7 +118,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)  # (B, n_kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None and input_pos is not None:
-            k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv, S, hd)
+            k, v = self.kv_cache.update(input_pos, k, v, rows, mask.shape[-1])  # (B, n_kv, S, hd)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -141,17 +154,19 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config, shard)
 
     def attention_branch(self, r: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                         input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.attention(self.attention_norm(r), *rope, input_pos, mask)
+                         input_pos: torch.Tensor | None, mask: torch.Tensor | None,
+                         rows: slice | None = None) -> torch.Tensor:
+        return self.attention(self.attention_norm(r), *rope, input_pos, mask, rows)
 
     def mlp_branch(self, r: torch.Tensor) -> torch.Tensor:
         assert self.ffn_norm is not None
         return self.feed_forward(self.ffn_norm(r))
 
     def parallel_branch(self, r: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                        input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+                        input_pos: torch.Tensor | None, mask: torch.Tensor | None,
+                        rows: slice | None = None) -> torch.Tensor:
         u = self.attention_norm(r)
-        return self.attention(u, *rope, input_pos, mask) + self.feed_forward(u)
+        return self.attention(u, *rope, input_pos, mask, rows) + self.feed_forward(u)
 
 
 class Transformer(nn.Module):
@@ -223,15 +238,20 @@ class Transformer(nn.Module):
                 setattr(layer, name, torch.compile(branch, fullgraph=True, dynamic=False))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(positions.float(), self.inv_freq)  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        """cos, sin (T, hd) of positions (T,); of per-row positions (B, T): (B, 1, T, hd), one per row."""
+        freqs = positions.float()[..., None] * self.inv_freq  # (..., T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, hd)
+        if positions.dim() == 2:
+            emb = emb[:, None]  # broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     # ---- forward ---------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, rows: slice | None = None, kv_len: int | None = None) -> torch.Tensor:
         """tokens (B, T); input_pos (T,) cache positions, or None for a cache-free causal forward.
+        Continuous batching (`ladder.serve`) gives each row its own positions, input_pos (B, T), in KV-cache
+        rows `rows` (default: the first B), attending to the first `kv_len` cache positions only.
         `last_only`: logits of the last position only, (B, 1, vocab), all that sampling needs after a
         prefill (the head over every prompt position would cost batch x prompt x vocab x dim x 2 FLOPs
         and as many logits in memory: 17 GB for Llama-3 at batch 64, prompt 1024, bf16)."""
@@ -243,16 +263,18 @@ class Transformer(nn.Module):
         if input_pos is not None:
             if self.max_seq == 0:
                 raise RuntimeError("call setup_caches() before a forward with input_pos")
-            key_pos = torch.arange(self.max_seq, device=tokens.device)
-            mask = key_pos[None, :] <= input_pos[:, None]  # (T, S): query i sees keys up to its position
+            key_pos = torch.arange(kv_len or self.max_seq, device=tokens.device)
+            mask = key_pos <= input_pos[..., None]  # (T, S) or (B, T, S): a query sees keys up to its position
+            if mask.dim() == 3:
+                mask = mask[:, None]  # (B, 1, T, S): per row, for every head
 
         layout = self.config.layout
         if layout == "parallel":
-            r = self._parallel_layers(r, rope, input_pos, mask)
+            r = self._parallel_layers(r, rope, input_pos, mask, rows)
         elif layout in ("desync", "upper-bound"):
-            r = self._unsynchronised_layers(r, rope, input_pos, mask)
+            r = self._unsynchronised_layers(r, rope, input_pos, mask, rows)
         else:
-            r = self._ladder_layers(r, rope, input_pos, mask)
+            r = self._ladder_layers(r, rope, input_pos, mask, rows)
 
         if last_only:
             r = r[:, -1:]
@@ -261,13 +283,13 @@ class Transformer(nn.Module):
             logits = self.comm.all_gather_last_dim(logits)  # (B, T, vocab)
         return logits
 
-    def _residual_modules(self, rope, input_pos, mask):
+    def _residual_modules(self, rope, input_pos, mask, rows):
         """The 2L modules h_1..h_2L in execution order, as (index, callable) pairs."""
         for i, layer in enumerate(self.layers):
-            yield 2 * i, lambda r, layer=layer: layer.attention_branch(r, rope, input_pos, mask)
+            yield 2 * i, lambda r, layer=layer: layer.attention_branch(r, rope, input_pos, mask, rows)
             yield 2 * i + 1, layer.mlp_branch
 
-    def _ladder_layers(self, r, rope, input_pos, mask) -> torch.Tensor:
+    def _ladder_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:
         """Standard, ladder and hybrid: module j reads r_{j-1} (standard) or r_{j-2} (ladder).
 
         standard module:                       ladder module (AR of y_j overlaps h_{j+1}):
@@ -293,7 +315,7 @@ class Transformer(nn.Module):
         n_modules = 2 * self.config.n_layers
         first_overlapped = first_ladder_module - 1 if first_ladder_module < n_modules else n_modules
         comm = self.comm
-        for j, module in self._residual_modules(rope, input_pos, mask):
+        for j, module in self._residual_modules(rope, input_pos, mask, rows):
             stale = j >= first_ladder_module
             while len(pending) > (1 if stale else 0):
                 r = r + pending.pop(0).wait(after=y)
@@ -303,13 +325,13 @@ class Transformer(nn.Module):
             r = r + handle.wait(after=y)
         return r
 
-    def _parallel_layers(self, r, rope, input_pos, mask) -> torch.Tensor:
+    def _parallel_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:
         """GPT-J / PaLM: r = r + AR(A(u) + M(u)), u = norm(r). One blocking all-reduce per layer."""
         for layer in self.layers:
-            r = r + self.comm.all_reduce(layer.parallel_branch(r, rope, input_pos, mask))
+            r = r + self.comm.all_reduce(layer.parallel_branch(r, rope, input_pos, mask, rows))
         return r
 
-    def _unsynchronised_layers(self, r, rope, input_pos, mask) -> torch.Tensor:
+    def _unsynchronised_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:
         """Desync and upper bound: each rank keeps its own residual stream.
 
         reduced module:      r = AR(h(r) + r / T)   (re-synchronises the streams)
@@ -318,7 +340,7 @@ class Transformer(nn.Module):
         """
         tp = self.comm.world_size
         upper_bound = self.config.layout == "upper-bound"
-        for j, module in self._residual_modules(rope, input_pos, mask):
+        for j, module in self._residual_modules(rope, input_pos, mask, rows):
             y = module(r)
             if not upper_bound and self.config.desync_reduces(j):
                 r = self.comm.all_reduce(y + r / tp)

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ladder.cli import bench, convert, evaluate, generate, predict, train
+from ladder.cli import bench, convert, evaluate, generate, predict, serve, train
 from ladder.cli.common import exit_status, say, say_defaults, stop_message
 from ladder.comm.distributed import communication_failure
 from ladder.errors import LadderError, Stopped
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "benchmark and convert models with every residual layout.")
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser in (generate.add_parser, evaluate.add_parser, convert.add_parser, bench.add_parser,
-                       predict.add_parser, train.add_parser, train.add_plot_parser, bench.add_summary_parser,
+                       predict.add_parser, serve.add_parser, train.add_parser, train.add_plot_parser, bench.add_summary_parser,
                        bench.add_plot_parser, bench.add_link_parser):
         say_defaults(add_parser(sub))
     return parser

@@ -1,0 +1,56 @@
+"""`ladder serve`: an OpenAI-compatible server for any model ladder runs (`ladder.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ladder.cli.common import add_model_options, model_spec
+from ladder.comm.launch import launch
+from ladder.comm.links import link_presets
+from ladder.errors import LadderError, Stopped
+from ladder.serve.worker import ServeSettings, serve_on_rank
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    spec = model_spec(args)
+    config = spec.validate()
+    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--prefill-chunk", args.prefill_chunk, 1),
+                               ("--max-waiting", args.max_waiting, 0), ("--max-model-len", args.max_model_len or 2, 2)):
+        if value < least:
+            raise LadderError(f"{flag} must be >= {least}, got {value}")
+    if config is not None and args.max_model_len and args.max_model_len > config.max_seq_len:
+        raise LadderError(f"--max-model-len {args.max_model_len} exceeds the model's max_seq_len {config.max_seq_len}")
+    if args.interconnect is not None and args.interconnect not in link_presets():
+        raise LadderError(f"unknown --interconnect {args.interconnect!r}; known: {', '.join(link_presets())}")
+    name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
+    settings = ServeSettings(spec, name, args.host, args.port, args.max_batch, args.max_model_len, args.max_waiting,
+                             args.prefill_chunk, args.shutdown_timeout, args.interconnect, args.link_scale)
+    emulated = args.interconnect is not None
+    try:
+        launch(serve_on_rank, 1 if emulated else spec.tp, settings, device=spec.device, workers_catch_interrupt=True)
+    except Stopped:  # SIGTERM to the launcher: it passed it on, and rank 0 shut the server down
+        return 0
+    return 0
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """`ladder serve`'s options."""
+    s = sub.add_parser("serve", help="serve a model over the OpenAI API (continuous batching, any TP degree)")
+    add_model_options(s)
+    g = s.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", help="the model's name in the API (default: the folder, file or preset name)")
+    g.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
+    g.add_argument("--max-model-len", type=int, help="context per request (default: the model's max_seq_len)")
+    g.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which new ones get 503")
+    g.add_argument("--prefill-chunk", type=int, default=128,
+                   help="prompt tokens per step: the longest a new prompt delays running requests")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds requests in flight get to finish after SIGTERM or Ctrl-C")
+    g.add_argument("--interconnect", help="an emulated link (one process, rank 0's shard of --tp ranks)")
+    g.add_argument("--link-scale", type=float, default=1.0, help="stretch the emulated link's times")
+    s.set_defaults(func=cmd_serve)
+    return s

@@ -1,0 +1,262 @@
+"""The HTTP side: the OpenAI routes on FastAPI, every error an OpenAI error object.
+
+A request becomes token ids and `GenerationParams` here, checked against the model (context length,
+vocabulary, what the server cannot honour) before it reaches the scheduler; its outputs come back
+through an asyncio queue that the engine thread feeds (`loop.call_soon_threadsafe`). A client that
+goes away, streaming or not, cancels its request, which frees its KV-cache row at the next step.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ladder.checkpoint.tokenizer import TextTokenizer
+from ladder.engine import SamplingParams
+from ladder.serve.metrics import ServerMetrics
+from ladder.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                                   ChatCompletionRequest, ChatDelta, ChatMessageOut, Completion, CompletionChoice,
+                                   CompletionRequest, ErrorBody, ErrorResponse, ModelCard, ModelList,
+                                   SamplingFields, Usage, new_id)
+from ladder.serve.scheduler import GenerationParams, Output, QueueFull, Scheduler, Sequence, Unavailable
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass
+class ServerState:
+    model_name: str
+    max_model_len: int
+    metrics: ServerMetrics
+    vocab_size: int = 0
+    tokenizer: TextTokenizer | None = None
+    scheduler: Scheduler | None = None  # set once the model is loaded
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code, self.retry_after_s = status, kind, param, code, retry_after_s
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorBody(message=str(self), type=self.kind, param=self.param, code=self.code))
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from fastapi.sse import EventSourceResponse
+
+
+def create_app(state: ServerState) -> "FastAPI":
+    # fastapi is imported here, not with the module: importing it costs every `ladder` command 0.2 s
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+
+    app = FastAPI(title="ladder", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = "the body is not valid JSON" if first.get("type") == "json_invalid" else first["msg"]
+        return ApiError(400, f"{where}: {message}" if where else message, param=where or None).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready = state.scheduler is not None and state.scheduler.failure is None and not state.scheduler.stopping
+        return Response(status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response | BaseModel:
+        prompt = _completion_prompt(state, body)
+        outputs = _generate(state, prompt, _params(state, body, len(prompt), body.max_tokens), request)
+        if body.stream:
+            return _stream(_completion_chunks(state, body, outputs))
+        text, last = await _collect(outputs)
+        return Completion(model=state.model_name, choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+                          usage=Usage.of(last.prompt_tokens, last.completion_tokens))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response | BaseModel:
+        prompt = _chat_prompt(state, body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        outputs = _generate(state, prompt, _params(state, body, len(prompt), max_tokens), request)
+        if body.stream:
+            return _stream(_chat_chunks(state, body, outputs))
+        text, last = await _collect(outputs)
+        return ChatCompletion(model=state.model_name, usage=Usage.of(last.prompt_tokens, last.completion_tokens),
+                              choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason)])
+
+    return app
+
+
+# ---- requests into token ids and parameters ---------------------------------------------------------
+
+def _check_model(state: ServerState, body: SamplingFields) -> None:
+    if body.model != state.model_name:
+        raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       "not_found_error", "model", "model_not_found")
+    if (unsupported := body.unsupported()) is not None:
+        raise ApiError(400, unsupported[1], param=unsupported[0])
+
+
+def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]:
+    _check_model(state, body)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, "one prompt per request: send several requests", param="prompt")
+        prompt = prompt[0]
+    if body.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    if isinstance(prompt, str):
+        if state.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        ids = state.tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        if bad := [t for t in ids if not 0 <= t < state.vocab_size]:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})", param="prompt")
+    return _check_length(state, ids)
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    _check_model(state, body)
+    if state.tokenizer is None or not state.tokenizer.chat_template:
+        raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = state.tokenizer.render_chat(messages)
+    except Exception as exc:  # noqa: BLE001 (a template's own raise_exception, or a bad part: the client's error)
+        raise ApiError(400, f"the messages do not fit the chat template: {exc}", param="messages") from None
+    return _check_length(state, state.tokenizer.encode(text, add_bos=False))
+
+
+def _check_length(state: ServerState, ids: list[int]) -> list[int]:
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if len(ids) >= state.max_model_len:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens; this server's context is {state.max_model_len} "
+                       "tokens (--max-model-len), the prompt and at least one new token", param="prompt",
+                       code="context_length_exceeded")
+    return ids
+
+
+def _params(state: ServerState, body: SamplingFields, prompt_tokens: int, max_tokens: int | None) -> GenerationParams:
+    room = state.max_model_len - prompt_tokens
+    if max_tokens is not None and max_tokens > room:
+        raise ApiError(400, f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed this server's "
+                       f"context of {state.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+    if bad := [t for t in body.stop_token_ids or [] if not 0 <= t < state.vocab_size]:
+        raise ApiError(400, f"stop token id {bad[0]} is outside the vocabulary", param="stop_token_ids")
+    top_k = body.top_k if body.top_k not in (None, -1, 0) else None
+    return GenerationParams(max_tokens or room, SamplingParams(body.temperature, top_k, body.top_p), body.seed,
+                            body.stop_strings(), frozenset(body.stop_token_ids or ()), body.ignore_eos)
+
+
+# ---- outputs ------------------------------------------------------------------------------------------
+
+def _generate(state: ServerState, prompt: list[int], params: GenerationParams,
+              request: Request) -> AsyncIterator[Output]:
+    """Submit the request (refused here, before any response starts, when the server cannot take it)
+    and return its outputs as the engine produces them."""
+    if state.scheduler is None:
+        raise ApiError(503, "the model is still loading", "service_unavailable", retry_after_s=5)
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    try:
+        sequence = state.scheduler.submit(prompt, params, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+    except QueueFull as exc:
+        raise ApiError(503, f"the server is at capacity: {exc}", "server_overloaded", retry_after_s=1) from None
+    except Unavailable as exc:
+        raise ApiError(503, str(exc), "service_unavailable") from None
+    return _outputs(state.scheduler, sequence, queue, request)
+
+
+async def _outputs(scheduler: Scheduler, sequence: Sequence, queue: asyncio.Queue,
+                   request: Request) -> AsyncIterator[Output]:
+    """Cancelled, freeing the request's row, when the consumer stops early or the client goes away."""
+    finished = False
+    try:
+        while not finished:
+            try:
+                out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            if out.error is not None:
+                raise ApiError(503, out.error, "service_unavailable")
+            finished = out.finish_reason is not None
+            yield out
+    finally:
+        if not finished:
+            scheduler.cancel(sequence)
+
+
+async def _collect(outputs: AsyncIterator[Output]) -> tuple[str, Output]:
+    parts, last = [], None
+    async for out in outputs:
+        parts.append(out.text)
+        last = out
+    if last is None:  # the client went away: nobody reads this answer
+        raise ApiError(499, "the client closed the request")
+    return "".join(parts), last
+
+
+def _stream(events: AsyncIterator[BaseModel]) -> "EventSourceResponse":
+    from fastapi.sse import EventSourceResponse, format_sse_event  # (fastapi: see create_app)
+
+    async def encoded() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield format_sse_event(data_str=event.model_dump_json(exclude_none=False))
+        except ApiError as exc:  # the engine failed mid-stream: say so in the stream, as vLLM does
+            yield format_sse_event(data_str=exc.response().body.decode())
+        yield format_sse_event(data_str="[DONE]")
+    return EventSourceResponse(encoded())
+
+
+async def _completion_chunks(state: ServerState, body: CompletionRequest,
+                             outputs: AsyncIterator[Output]) -> AsyncIterator[BaseModel]:
+    id_, last = new_id("cmpl"), None
+    async for out in outputs:
+        last = out
+        yield Completion(id=id_, model=state.model_name, choices=[CompletionChoice(text=out.text,
+                                                                                   finish_reason=out.finish_reason)])
+    if last is not None and body.stream_options and body.stream_options.include_usage:
+        yield Completion(id=id_, model=state.model_name, choices=[], usage=Usage.of(last.prompt_tokens,
+                                                                                   last.completion_tokens))
+
+
+async def _chat_chunks(state: ServerState, body: ChatCompletionRequest,
+                       outputs: AsyncIterator[Output]) -> AsyncIterator[BaseModel]:
+    id_, last = new_id("chatcmpl"), None
+    yield ChatCompletionChunk(id=id_, model=state.model_name,
+                              choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+    async for out in outputs:
+        last = out
+        yield ChatCompletionChunk(id=id_, model=state.model_name, choices=[
+            ChatChunkChoice(delta=ChatDelta(content=out.text), finish_reason=out.finish_reason)])
+    if last is not None and body.stream_options and body.stream_options.include_usage:
+        yield ChatCompletionChunk(id=id_, model=state.model_name, choices=[],
+                                  usage=Usage.of(last.prompt_tokens, last.completion_tokens))

@@ -1,0 +1,131 @@
+"""One rank's process of `ladder serve`.
+
+Global rank 0 owns the HTTP server (uvicorn, in the main thread, which takes SIGTERM and Ctrl-C) and
+the scheduler (an engine thread); every other rank loads its shard and runs the plans rank 0 sends,
+until rank 0 sends a stop. On an emulated link there is one process, rank 0's exact shard, whose
+all-reduces are waits of the link's modelled duration (as in `ladder bench`).
+
+Shutdown: SIGTERM or Ctrl-C stops new connections; requests in flight finish within
+`shutdown_timeout_s`, then what is left is aborted, the other ranks are stopped, and the process exits
+0. A failed rank fails the engine's next collective (or its timeout, LADDER_DIST_TIMEOUT): the server
+then answers 503 and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+import torch
+import uvicorn
+
+from ladder.comm.base import Communicator
+from ladder.comm.distributed import DistContext, check_ranks_agree, init_distributed, pick_device, shutdown_distributed
+from ladder.comm.emulated import EmulatedCommunicator
+from ladder.comm.links import get_link
+from ladder.errors import LadderError
+from ladder.serve.api import ServerState, create_app
+from ladder.serve.metrics import ServerMetrics
+from ladder.serve.scheduler import Scheduler
+from ladder.serve.steps import StepRunner, share_plan
+from ladder.spec import ModelSpec
+
+
+def say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model: ModelSpec
+    name: str  # the model's name in the API
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_model_len: int | None = None  # default: the model's max_seq_len
+    max_waiting: int = 256
+    prefill_chunk: int = 128
+    shutdown_timeout_s: float = 10.0
+    interconnect: str | None = None  # an emulated link: one process, rank 0's shard
+    link_scale: float = 1.0
+
+
+def serve_on_rank(settings: ServeSettings) -> None:
+    ctx = None if settings.interconnect else init_distributed(settings.model.device)
+    try:
+        if ctx is not None:
+            check_ranks_agree(settings, "serve options")
+        if ctx is not None and ctx.rank != 0:
+            _follow(settings, ctx)
+        else:
+            _serve(settings, ctx)
+    finally:
+        if ctx is not None:
+            shutdown_distributed()
+
+
+def _communicator(settings: ServeSettings, ctx: DistContext | None) -> tuple[Communicator, torch.device]:
+    if ctx is not None:
+        return ctx.communicator(), ctx.device
+    device = pick_device(settings.model.device)
+    return EmulatedCommunicator(get_link(settings.interconnect), settings.model.tp, device, settings.link_scale), device
+
+
+def _runner(settings: ServeSettings, ctx: DistContext | None) -> tuple[StepRunner, object]:
+    comm, device = _communicator(settings, ctx)
+    loaded = settings.model.load(comm, device, exact=ctx is not None or settings.model.model is not None)
+    max_model_len = settings.max_model_len or loaded.model.config.max_seq_len
+    if max_model_len > loaded.model.config.max_seq_len:
+        raise LadderError(f"--max-model-len {max_model_len} exceeds the model's max_seq_len "
+                          f"{loaded.model.config.max_seq_len}")
+    return StepRunner(loaded.model, settings.max_batch, max_model_len), loaded
+
+
+def _follow(settings: ServeSettings, ctx: DistContext) -> None:
+    """A rank other than 0: run every plan until rank 0 says stop (signals are rank 0's to act on)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    runner, _ = _runner(settings, ctx)
+    while not (plan := share_plan(None, None, ctx.world_size)).stop:
+        runner.run(plan)
+
+
+def _serve(settings: ServeSettings, ctx: DistContext | None) -> None:
+    state = ServerState(settings.name, settings.max_model_len or 0, ServerMetrics(settings.name))
+    config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_level="warning",
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s))
+    server = uvicorn.Server(config)
+    failure: list[str] = []
+    engine = threading.Thread(target=_engine, args=(settings, ctx, state, server, failure), daemon=True,
+                              name="ladder-engine")
+    engine.start()
+    server.run()  # until SIGTERM, Ctrl-C, or the engine fails
+    if state.scheduler is not None:
+        state.scheduler.shutdown()
+    engine.join(timeout=60)
+    if failure:
+        raise LadderError(failure[0])
+    say("ladder: server stopped")
+
+
+def _engine(settings: ServeSettings, ctx: DistContext | None, state: ServerState, server: uvicorn.Server,
+            failure: list[str]) -> None:
+    """Load the model (the HTTP server answers 503 meanwhile), then run the scheduler until shutdown."""
+    try:
+        runner, loaded = _runner(settings, ctx)
+        world = ctx.world_size if ctx is not None else 1
+        state.max_model_len, state.vocab_size = runner.max_model_len, loaded.model.config.vocab_size
+        state.tokenizer = loaded.tokenizer
+        state.scheduler = Scheduler(runner, loaded.tokenizer, state.metrics, settings.max_batch, settings.max_waiting,
+                                    settings.prefill_chunk, None, world)
+        say(f"ladder: {settings.model.describe(loaded)}")
+        say(f"ladder: serving {settings.name!r} on http://{settings.host}:{settings.port} (max batch "
+            f"{settings.max_batch}, context {runner.max_model_len})")
+        state.scheduler.run()
+    except BaseException as exc:  # noqa: BLE001 (the HTTP server must stop too, and the error reach the CLI)
+        message = str(exc).strip()
+        failure.append(message.splitlines()[-1] if message else type(exc).__name__)
+        server.should_exit = True
