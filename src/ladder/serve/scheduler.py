@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ladder.checkpoint.tokenizer import TextTokenizer
+from ladder.comm.distributed import communication_failure
 from ladder.engine import SamplingParams, sample
+from ladder.errors import LadderError
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.steps import PrefillChunk, StepPlan, StepRunner, share_plan
 
@@ -139,8 +141,9 @@ class Scheduler:
                     self._advance(plan, decoded, prefilled)
             share_plan(StepPlan(stop=True), self.group, self.world_size)
         except Exception as exc:  # noqa: BLE001 (every failure ends serving; its message goes to each client)
-            self._fail(f"the engine failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}")
-            raise
+            said = communication_failure(exc) or (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            self._fail(f"the engine failed: {said}")
+            raise LadderError(said) from None
 
     def _next_plan(self) -> StepPlan | None:
         """The next step's plan, waiting for work (sending heartbeats meanwhile); None once stopping."""
@@ -151,6 +154,8 @@ class Scheduler:
                     self._abort_all()
                     return None
                 self._admit()
+                self.metrics.running.set(len(self.running) + (self.prefilling is not None))
+                self.metrics.waiting.set(len(self.waiting))
                 if self.running or self.prefilling is not None:
                     return self._plan()
                 if self.moves or not self._lock.wait(HEARTBEAT_S) and self.world_size > 1:
@@ -160,7 +165,6 @@ class Scheduler:
         if self.prefilling is None and self.waiting and len(self.running) < self.max_batch:
             self.prefilling = self.waiting.popleft()
             self.prefilling.row = len(self.running)
-            self.metrics.waiting.set(len(self.waiting))
 
     def _plan(self) -> StepPlan:
         plan = StepPlan(moves=self.moves)
@@ -188,7 +192,6 @@ class Scheduler:
                 self._accept(s, self._sample(s, prefilled), now)
         for s in [s for s in self.running if s.finished]:
             self._release(s)
-        self.metrics.running.set(len(self.running) + (self.prefilling is not None))
 
     def _sample(self, s: Sequence, logits: torch.Tensor) -> int:
         return int(sample(logits[None], s.params.sampling, s.generator)[0])

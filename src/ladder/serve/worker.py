@@ -102,7 +102,14 @@ def _serve(settings: ServeSettings, ctx: DistContext | None) -> None:
     engine = threading.Thread(target=_engine, args=(settings, ctx, state, server, failure), daemon=True,
                               name="ladder-engine")
     engine.start()
-    server.run()  # until SIGTERM, Ctrl-C, or the engine fails
+    # uvicorn re-raises the signal that stopped it, once shut down, under the handlers it found: ignored,
+    # so that the engine and the other ranks stop before this process exits (0).
+    found = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()  # until SIGTERM, Ctrl-C, or the engine fails
+    finally:
+        for s, handler in found.items():
+            signal.signal(s, handler)
     if state.scheduler is not None:
         state.scheduler.shutdown()
     engine.join(timeout=60)

@@ -1,0 +1,254 @@
+"""`ladder serve` as a user meets it: a real server process, spoken to with the official `openai` client
+(and raw HTTP where a client would refuse to send the request)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+SMOLLM = "smollm2-135m-instruct"
+QUESTION = "What is the capital of France?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`ladder serve ARGS` on a free port, ready when /health says 200."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.marker = uuid.uuid4().hex  # finds this server's worker processes
+        self.proc = subprocess.Popen([sys.executable, "-m", "ladder", "serve", *args, "--port", str(self.port)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "LADDER_TEST_SERVER": self.marker, **(env or {})})
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited {self.proc.returncode}: {self.proc.stderr.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            self.stop()
+            raise AssertionError("the server did not become healthy")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def metric(self, name: str, **labels: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    server = Server("--model", SMOLLM, "--max-batch", "4", "--max-model-len", "512", "--prefill-chunk", "16")
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def slow():
+    """Random weights of a larger shape: a request takes long enough to act on it mid-way."""
+    server = Server("--preset", "llama-160m", "--max-batch", "1", "--max-waiting", "1", "--max-model-len", "256")
+    yield server
+    server.stop()
+
+
+def complete(server: Server, prompt="The capital of France is", **kwargs):
+    return server.client.completions.create(model=server.model, prompt=prompt, **{"max_tokens": 12, "temperature": 0,
+                                                                                   **kwargs})
+
+
+# ---- answers ----------------------------------------------------------------------------------------------
+
+def test_a_greedy_completion_is_what_ladder_generate_answers(smollm):
+    answer = complete(smollm)
+    generated = subprocess.run([sys.executable, "-m", "ladder", "generate", "--model", SMOLLM, "--prompt",
+                                "The capital of France is", "--max-new-tokens", "12"], capture_output=True, text=True)
+    assert generated.returncode == 0, generated.stderr
+    assert answer.choices[0].text == generated.stdout.removesuffix("\n")
+    assert answer.usage.completion_tokens == 12 and answer.choices[0].finish_reason == "length"
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + 12
+
+
+def test_chat_streamed_and_not_gives_one_answer_with_usage(smollm):
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = smollm.client.chat.completions.create(model=smollm.model, messages=messages, temperature=0, max_tokens=20)
+    assert "Paris" in whole.choices[0].message.content and whole.usage.completion_tokens >= 1
+    chunks = list(smollm.client.chat.completions.create(model=smollm.model, messages=messages, temperature=0,
+                                                        max_tokens=20, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+
+
+def test_concurrent_requests_keep_their_own_sampling_and_text(smollm):
+    prompts = ["The capital of France is", "Once upon a time", "The three primary colors are", "def add(a, b):"]
+    alone = [complete(smollm, p).choices[0].text for p in prompts]
+    seeded = dict(temperature=0.9, top_p=0.9, seed=11, max_tokens=16)
+    requests = [dict(prompt=p) for p in prompts] + [dict(prompt=prompts[1], **seeded), dict(prompt=prompts[2], temperature=1.0,
+                                                                                             seed=3, extra_body={"top_k": 5})]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = [r.choices[0].text for r in pool.map(lambda kw: complete(smollm, **kw), requests)]
+    assert together[:4] == alone  # greedy: the same tokens beside others as alone, no text crossing over
+    assert together[4] == complete(smollm, prompts[1], **seeded).choices[0].text  # a seed repeats
+    assert together[4] != alone[1]
+
+
+def test_a_stop_string_across_a_token_boundary_is_never_emitted(smollm):
+    chunks = [c.choices[0].text for c in complete(smollm, max_tokens=24, stream=True) if c.choices]
+    k = next(i for i in range(len(chunks) - 1) if len(chunks[i].strip()) >= 2 and len(chunks[i + 1].strip()) >= 2)
+    stop = chunks[k][-2:] + chunks[k + 1][:2]  # ends one token, begins the next
+    full = "".join(chunks)
+    expected = full[:full.index(stop)]
+    stopped = complete(smollm, max_tokens=24, stop=[stop, "never appears"])
+    assert stopped.choices[0].text == expected and stopped.choices[0].finish_reason == "stop"
+    streamed = [c.choices[0].text for c in complete(smollm, max_tokens=24, stop=stop, stream=True) if c.choices]
+    assert "".join(streamed) == expected
+
+
+# ---- refusals -------------------------------------------------------------------------------------------
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(smollm):
+    raw = httpx.post(smollm.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    assert set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        smollm.client.completions.create(model="gpt-4", prompt="hi")
+    bad = [dict(temperature="hot"), dict(temperature=5), dict(max_tokens=0), dict(n=2), dict(logprobs=2),
+           dict(max_tokens=600), dict(prompt="word " * 600), dict(prompt=[1, 2, 10**6]), dict(prompt=["a", "b"])]
+    for kwargs in bad:
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(smollm, **kwargs)
+        assert caught.value.body["message"], kwargs
+    with pytest.raises(openai.BadRequestError, match="text content parts"):
+        smollm.client.chat.completions.create(model=smollm.model, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    assert complete(smollm).choices[0].text  # still serving
+    assert httpx.get(smollm.url + "/health").status_code == 200
+
+
+def test_metrics_count_requests_tokens_and_latencies(smollm):
+    complete(smollm)
+    text = httpx.get(smollm.url + "/metrics").text
+    for name in ("ladder_time_to_first_token_seconds_count", "ladder_inter_token_latency_seconds_count",
+                 "ladder_e2e_request_latency_seconds_count", "ladder_prompt_tokens_total",
+                 "ladder_generation_tokens_total"):
+        assert smollm.metric(name) > 0, name
+    assert "ladder_num_requests_running" in text and "ladder_num_requests_waiting" in text
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row(smollm):
+    aborted = smollm.metric("ladder_request_success_total", finished_reason="abort")
+    with httpx.stream("POST", smollm.url + "/v1/completions", json={
+            "model": smollm.model, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(4)]
+    deadline = time.monotonic() + 20
+    while smollm.metric("ladder_request_success_total", finished_reason="abort") == aborted:
+        assert time.monotonic() < deadline, "the disconnected request was not aborted"
+        time.sleep(0.1)
+    assert smollm.metric("ladder_num_requests_running") == 0
+
+
+def test_a_full_queue_answers_503_with_retry_after(slow):
+    first = slow.client.completions.create(model=slow.model, prompt=[1, 2, 3], max_tokens=200, stream=True)
+    next(iter(first))  # running: the one row is taken
+    waiting = threading.Thread(target=lambda: slow.client.completions.create(model=slow.model, prompt=[4], max_tokens=5))
+    waiting.start()
+    time.sleep(0.5)  # queued: the one waiting place is taken
+    refused = httpx.post(slow.url + "/v1/completions", json={"model": slow.model, "prompt": [5], "max_tokens": 5})
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "server_overloaded"
+    first.close()
+    waiting.join(60)
+
+
+# ---- processes ------------------------------------------------------------------------------------------
+
+def test_sigterm_during_a_stream_finishes_it_and_exits_0():
+    server = Server("--preset", "llama-160m", "--max-model-len", "256", "--shutdown-timeout", "20")
+    stream = server.client.completions.create(model=server.model, prompt=[1, 2, 3], max_tokens=60, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    server.proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "length"  # finished within the grace period
+    assert server.proc.wait(30) == 0
+    assert "server stopped" in server.proc.stderr.read()
+
+
+def test_tp2_on_gloo_answers_what_tp1_answers(smollm):
+    server = Server("--model", SMOLLM, "--tp", "2", "--max-batch", "2", "--max-model-len", "512")
+    try:
+        assert complete(server).choices[0].text == complete(smollm).choices[0].text
+    finally:
+        assert server.stop() == 0
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"PPid:\t{pid}\n" in status.read_text():
+                found.append(int(status.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def _follower_pid(server: Server) -> int:
+    """The worker that is not rank 0. Workers are the children of the launcher's fork server (itself a
+    child of the command); rank 0 is the one holding the listening socket (found in /proc/net/tcp)."""
+    listening = next(line.split()[9] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                     if line.split()[1].endswith(f":{server.port:04X}") and line.split()[3] == "0A")
+    workers = [pid for child in _children(server.proc.pid) for pid in _children(child)]
+    others = [pid for pid in workers
+              if f"socket:[{listening}]" not in {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}]
+    assert len(workers) == 2 and len(others) == 1, (workers, others)
+    return others[0]
+
+
+def test_a_dead_rank_ends_the_server_non_zero_without_hanging():
+    server = Server("--preset", "tiny", "--tp", "2", env={"LADDER_DIST_TIMEOUT": "20"})
+    try:
+        os.kill(_follower_pid(server), signal.SIGKILL)
+        try:
+            status = complete(server, prompt=[1, 2, 3]).choices and 200
+        except (openai.APIStatusError, openai.APIConnectionError) as exc:
+            status = getattr(exc, "status_code", "refused")
+        assert status in (503, "refused")  # 503 from rank 0, or refused once the launcher has stopped it
+        assert server.proc.wait(60) != 0
+        assert "communication with the other ranks failed" in server.proc.stderr.read()
+    finally:
+        server.proc.kill()
