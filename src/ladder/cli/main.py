@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ladder.cli import bench, convert, evaluate, generate, predict, serve, train
+from ladder.cli import bench, bench_serve, convert, evaluate, generate, predict, serve, train
 from ladder.cli.common import exit_status, say, say_defaults, stop_message
 from ladder.comm.distributed import communication_failure
 from ladder.errors import LadderError, Stopped
@@ -20,14 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser in (generate.add_parser, evaluate.add_parser, convert.add_parser, bench.add_parser,
                        predict.add_parser, serve.add_parser, train.add_parser, train.add_plot_parser, bench.add_summary_parser,
-                       bench.add_plot_parser, bench.add_link_parser):
+                       bench.add_plot_parser, bench.add_link_parser, bench_serve.add_parser):
         say_defaults(add_parser(sub))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] in (["bench", "plot"], ["bench", "summary"], ["bench", "link"], ["train", "plot"]):  # reads better
+    if argv[:2] in (["bench", "plot"], ["bench", "summary"], ["bench", "link"], ["bench", "serve"], ["train", "plot"]):  # reads better
         argv = [f"{argv[0]}-{argv[1]}", *argv[2:]]
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

@@ -1,0 +1,177 @@
+"""`ladder bench serve`: a load generator for OpenAI-compatible servers, in the manner of vLLM's serving
+benchmark: requests arrive at a Poisson rate (or all at once), stream their answers, and each one's time
+to first token, inter-token latencies and end-to-end latency are measured on the client.
+
+It drives any server that speaks the OpenAI API (ladder's own, llama.cpp's, vLLM's) through the official
+`openai` client, or starts `ladder serve` itself (`--serve "ARGS"`). Prompts and output lengths come from
+the Shakespeare plays (a speech as the prompt, the next speech's length as the output length) or are
+fixed. A server without a tokenizer (random weights) gets its prompts as byte ids, which every
+vocabulary holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from ladder.checkpoint.resolve import open_checkpoint
+from ladder.corpora import shakespeare_text
+from ladder.errors import LadderError
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    num_requests: int = 32
+    request_rate: float = float("inf")  # requests per second (Poisson); inf: all at once
+    max_concurrency: int | None = None
+    dataset: str = "shakespeare"  # or "fixed"
+    prompt_len: int = 64  # fixed: every prompt; shakespeare: the most a speech is cut to
+    output_len: int = 64  # fixed: every output; shakespeare: the most
+    byte_prompts: bool = False  # prompts as byte ids (a server without tokenizer)
+    ignore_eos: bool = True  # outputs of exactly the drawn length (vLLM's extension; llama.cpp's too)
+    seed: int = 0
+    tokenizer: str = "smollm2-135m-instruct"  # measures the lengths of text prompts and outputs
+
+
+@dataclass
+class RequestResult:
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    error: str | None = None
+
+
+def draw_requests(spec: LoadSpec) -> list[tuple[str | list[int], int]]:
+    """(prompt, output length) of each request."""
+    rng = random.Random(spec.seed)
+    tokenizer = None if spec.byte_prompts else open_checkpoint(spec.tokenizer).tokenizer
+    encode = tokenizer.encode if tokenizer is not None else (lambda text: list(text.encode()))
+    speeches = [s.strip() for s in shakespeare_text("heldout").split("\n\n") if len(s.strip()) > 40]
+    requests = []
+    for _ in range(spec.num_requests):
+        i = rng.randrange(len(speeches) - 1)
+        ids = encode(speeches[i] if spec.dataset == "shakespeare" else " ".join(speeches[i:i + 40]))
+        prompt = ids[:spec.prompt_len]
+        out = spec.output_len if spec.dataset == "fixed" else max(4, min(spec.output_len, len(encode(speeches[i + 1]))))
+        if spec.dataset == "fixed" and len(prompt) < spec.prompt_len:
+            raise LadderError(f"no passage of {spec.prompt_len} tokens to cut a prompt from")
+        requests.append((prompt if tokenizer is None else tokenizer.decode(prompt), out))
+    return requests
+
+
+async def _one(client: Any, model: str, prompt: str | list[int], output_len: int, spec: LoadSpec) -> RequestResult:
+    start = time.perf_counter()
+    result = RequestResult(prompt_tokens=0, output_tokens=0)
+    last = start
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": spec.ignore_eos})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+            if chunk.usage is not None:
+                result.prompt_tokens, result.output_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+        result.e2e_s = time.perf_counter() - start
+    except Exception as exc:  # noqa: BLE001 (a failed request is counted, not the end of the run)
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_load(url: str, spec: LoadSpec, model: str | None = None) -> dict[str, Any]:
+    """Send the requests to the server at `url`; the run's summary (latencies in ms)."""
+    try:
+        import openai  # (an optional dependency: only this command needs it)
+    except ImportError:
+        raise LadderError("ladder bench serve needs the openai client: pip install openai") from None
+    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=600,
+                                http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=None)))
+    model = model or (await client.models.list()).data[0].id
+    requests = draw_requests(spec)
+    rng = random.Random(spec.seed + 1)
+    limit = asyncio.Semaphore(spec.max_concurrency or len(requests))
+
+    async def limited(prompt: str | list[int], n: int) -> RequestResult:
+        async with limit:
+            return await _one(client, model, prompt, n, spec)
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt, n in requests:
+        tasks.append(asyncio.create_task(limited(prompt, n)))
+        if spec.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(spec.request_rate))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    await client.close()
+    return summarise(results, duration) | {"model": model, "url": url, "load": asdict(spec)}
+
+
+def summarise(results: list[RequestResult], duration_s: float) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    itl = [x for r in ok for x in r.itl_s]
+    out = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration_s,
+           "request_throughput": len(ok) / duration_s, "output_throughput": sum(r.output_tokens for r in ok) / duration_s,
+           "total_output_tokens": sum(r.output_tokens for r in ok), "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
+           "errors": sorted({r.error for r in results if r.error})[:3]}
+    for name, values in (("ttft", [r.ttft_s for r in ok if r.ttft_s is not None]), ("itl", itl),
+                         ("e2e", [r.e2e_s for r in ok])):
+        out[f"{name}_ms"] = _stats([v * 1e3 for v in values])
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def q(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+    return {"mean": statistics.fmean(values), "p50": statistics.median(values), "p90": q(0.9), "p99": q(0.99)}
+
+
+class StartedServer:
+    """`ladder serve ARGS` on a free port for the length of a `with` block."""
+
+    def __init__(self, args: str, port: int, startup_s: float = 600) -> None:
+        self.args, self.port, self.startup_s = shlex.split(args), port, startup_s
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> StartedServer:
+        self.proc = subprocess.Popen([sys.executable, "-m", "ladder", "serve", *self.args, "--port", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LadderError(f"ladder serve {' '.join(self.args)} exited: {self.proc.stderr.read().strip()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.proc.kill()
+        raise LadderError(f"ladder serve {' '.join(self.args)} was not healthy after {self.startup_s:.0f} s")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
