@@ -1,4 +1,4 @@
-"""Ladder folders in transformers: SmolLM2-135M-Instruct's real weights converted by `ladder convert`
+"""Ladder folders in transformers: SmolLM2-135M-Instruct's real weights converted as `ladder convert` does
 run in transformers (trust_remote_code) exactly as in ladder; generation, training, PEFT and saving
 work there; a standard folder stays a plain Llama; the reference implementation's format is read."""
 
@@ -25,21 +25,20 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 CPU = torch.device("cpu")
 SMOLLM = "smollm2-135m-instruct"  # 30 layers
-LAYOUTS = {"standard": [], "ladder": ["--layout", "ladder"], "hybrid-10": ["--ladder-layers", "10"],
-           "hybrid-20": ["--ladder-layers", "20"]}
+LAYOUTS = {"standard": (None, None), "ladder": ("ladder", None), "hybrid-10": ("ladder", 10),
+           "hybrid-20": ("ladder", 20)}
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """SmolLM2 converted by the CLI to each layout, and a random tiny model in the parallel layout
+    """SmolLM2 converted to each layout, and a random tiny model in the parallel layout
     (a checkpoint trained with two norms per layer cannot become parallel)."""
     root = tmp_path_factory.mktemp("converted")
     made = {}
-    for name, args in LAYOUTS.items():
-        result = ladder_cli("convert", SMOLLM, *args, "--out", str(root / name))
-        assert result.returncode == 0, result.stderr
-        made[name] = root / name
+    for name, (layout, n) in LAYOUTS.items():  # what `ladder convert` does (which a test below runs too)
+        loaded = ModelSpec(model=SMOLLM, layout=layout, ladder_layers=n, dtype="float32").load(LocalCommunicator(), CPU)
+        made[name] = save_hf(root / name, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
     tiny = random_model(get_preset("tiny", layout="parallel"), LocalCommunicator(), CPU)
     made["parallel"] = save_hf(root / "parallel", tiny.config, export_hf_state_dict(tiny), None)
     return made

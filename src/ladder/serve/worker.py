@@ -13,6 +13,7 @@ then answers 503 and exits non-zero.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -65,6 +66,13 @@ def serve_on_rank(settings: ServeSettings) -> None:
     finally:
         if ctx is not None:
             shutdown_distributed()
+    if ctx is not None and ctx.world_size > 1:
+        # Shut down cleanly after a signal. torch's launcher (ours and torchrun), stopping on that signal,
+        # would wait 30 s for a worker that returns (a returning worker waits for the launcher to collect
+        # its result): end the process here instead.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _communicator(settings: ServeSettings, ctx: DistContext | None) -> tuple[Communicator, torch.device]:
