@@ -1,13 +1,14 @@
 """Ladder against standard under a stream of requests, on this CPU.
 
 llama-160m (random weights) at TP 4 on the emulated pcie-no-p2p link, dilated as the main job dilates
-it (x4.87: communication a quarter of standard's batch-1 decode step, `results/cpu/bench.jsonl`),
-served by `ladder serve` with up to 8 requests in flight; `ladder bench serve` sends 32 requests at
+it at batch 4 (x7.69: communication a quarter of standard's batch-4 decode step, `results/cpu/bench.jsonl`;
+a loaded server runs 1 to 8 requests a step, and at batch 1 the main job's x4.87 leaves the link a
+twentieth of the step once the load rises), served by `ladder serve` with up to 8 requests in flight; `ladder bench serve` sends 32 requests at
 three rates, the last all at once (saturation). Standard, ladder and upper bound in turns, `--rounds`
 times. Then the server path's own speed: SmolLM2-135M-Instruct at batch 1, the server's decode tokens/s
 (one request at a time) against `ladder generate`'s.
 
-    .venv/bin/python experiments/serving.py [--rounds 2] [--rates 0.5,1.5,inf]
+    .venv/bin/python experiments/serving.py [--rounds 3] [--rates 0.5,1.5,inf] [--only load|speed|summary]
 
 Writes results/serve/{bench-serve.jsonl,speed.jsonl,summary.md,latency.png}.
 """
@@ -94,16 +95,17 @@ def summary() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rates", default="0.5,1.5,inf")
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--link-scale", default="4.87")
-    parser.add_argument("--summary-only", action="store_true")
+    parser.add_argument("--link-scale", default="7.69")
+    parser.add_argument("--only", choices=["load", "speed", "summary"], help="one part (default: all)")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    if not args.summary_only:
+    if args.only in (None, "load"):
         (OUT / "bench-serve.jsonl").unlink(missing_ok=True)
         under_load(args)
+    if args.only in (None, "speed"):
         batch_one_speed(args)
     summary()
     rows = [json.loads(line) for line in (OUT / "bench-serve.jsonl").read_text().splitlines()]

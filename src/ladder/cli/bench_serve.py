@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import socket
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +67,20 @@ def _free_port() -> int:
 
 
 def plot_latency_vs_load(records: list[dict[str, Any]], path: Path) -> None:
-    """Inter-token latency and time to first token (p50) against output throughput, a line per label."""
+    """Inter-token latency and time to first token (p50) against output throughput, a line per label, a
+    point per request rate (the median of its runs when the file holds several)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for label in dict.fromkeys(r["label"] for r in records):
-        mine = sorted((r for r in records if r["label"] == label), key=lambda r: r["output_throughput"])
-        x = [r["output_throughput"] for r in mine]
-        axes[0].plot(x, [r["itl_ms"]["mean"] for r in mine], "o-", label=label)
-        axes[1].plot(x, [r["ttft_ms"]["p50"] for r in mine], "o-", label=label)
+        runs: dict[float, list[dict[str, Any]]] = {}
+        for r in records:
+            if r["label"] == label:
+                runs.setdefault(r["request_rate"], []).append(r)
+        points = sorted((statistics.median(r["output_throughput"] for r in rs),
+                         statistics.median(r["itl_ms"]["mean"] for r in rs),
+                         statistics.median(r["ttft_ms"]["p50"] for r in rs)) for rs in runs.values())
+        axes[0].plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+        axes[1].plot([p[0] for p in points], [p[2] for p in points], "o-", label=label)
     for ax, name in zip(axes, ("inter-token latency, mean (ms)", "time to first token, p50 (ms)")):
         ax.set_xlabel("output tokens/s (served)")
         ax.set_ylabel(name)
