@@ -18,10 +18,9 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import httpx
 
 from ladder.checkpoint.resolve import open_checkpoint
 from ladder.corpora import shakespeare_text
@@ -100,8 +99,7 @@ async def run_load(url: str, spec: LoadSpec, model: str | None = None) -> dict[s
         import openai  # (an optional dependency: only this command needs it)
     except ImportError:
         raise LadderError("ladder bench serve needs the openai client: pip install openai") from None
-    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=600,
-                                http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=None)))
+    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=600)
     model = model or (await client.models.list()).data[0].id
     requests = draw_requests(spec)
     rng = random.Random(spec.seed + 1)
@@ -161,9 +159,10 @@ class StartedServer:
             if self.proc.poll() is not None:
                 raise LadderError(f"ladder serve {' '.join(self.args)} exited: {self.proc.stderr.read().strip()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:  # refused while starting, or 503 (HTTPError) while loading
                 pass
             time.sleep(0.25)
         self.proc.kill()
