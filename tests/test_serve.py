@@ -265,3 +265,37 @@ def test_a_dead_rank_ends_the_server_non_zero_without_hanging():
         assert "communication with the other ranks failed" in server.proc.stderr.read()
     finally:
         server.proc.kill()
+
+
+def test_two_nodes_under_torchrun_serve_from_global_rank_0():
+    """One torchrun agent per node (both on localhost here), one rank each: global rank 0 serves, the
+    other follows its plans; SIGTERM to node 0's agent stops both ranks cleanly (torchrun's own agent
+    reports the signal it got: that exit status is torch's)."""
+    port, rendezvous = free_port(), free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(rendezvous),
+                               "-m", "ladder", "serve", "--preset", "tiny", "--tp", "2", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "LADDER_DIST_TIMEOUT": "60"})
+             for n in (0, 1)]
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), "not serving"
+            time.sleep(0.2)
+        answer = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0)
+        model = random_model(get_preset("tiny"), LocalCommunicator(), torch.device("cpu")).eval()
+        assert answer.choices[0].text.split() == [str(t) for t in Engine(model).generate(torch.tensor([[1, 2, 3]]), 5).tokens[0]]
+        nodes[0].send_signal(signal.SIGTERM)
+        assert nodes[1].wait(60) == 0
+        nodes[0].wait(60)
+        assert "ladder: server stopped" in nodes[0].stderr.read()
+    finally:
+        for n in nodes:
+            n.kill()
