@@ -22,6 +22,13 @@ from ladder.weights import random_model
 CPU = torch.device("cpu")
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`ladder ARGS...` in a fresh interpreter, output captured."""
     return subprocess.run([sys.executable, "-m", "ladder", *args], capture_output=True, text=True, timeout=timeout)
@@ -47,9 +54,7 @@ def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Se
     rank each, so every rank is LOCAL_RANK 0 and each node may have its own command line and folder.
     Returns each node's (status, stdout, stderr); fails with both nodes' output if either is still
     running after `timeout` seconds (their agents and workers are killed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
                                "-m", "ladder", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -3,7 +3,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,16 +20,27 @@ from ladder.config import get_preset
 from ladder.engine import Engine
 from ladder.weights import random_model
 
+from helpers import free_port
+
 openai = pytest.importorskip("openai")
 
 SMOLLM = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_until_healthy(url: str, processes: list[subprocess.Popen], timeout_s: float) -> None:
+    """Until `url`/health says 200; fails as soon as one of the server's processes has exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ended := [p for p in processes if p.poll() is not None]:
+            raise AssertionError(f"the server exited {ended[0].returncode}: {ended[0].stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not become healthy")
 
 
 class Server:
@@ -43,19 +53,11 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "ladder", "serve", *args, "--port", str(self.port)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "LADDER_TEST_SERVER": self.marker, **(env or {})})
-        deadline = time.monotonic() + startup_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited {self.proc.returncode}: {self.proc.stderr.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
+        try:
+            wait_until_healthy(self.url, [self.proc], startup_s)
+        except AssertionError:
             self.stop()
-            raise AssertionError("the server did not become healthy")
+            raise
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
         self.model = self.client.models.list().data[0].id
 
@@ -279,16 +281,8 @@ def test_two_nodes_under_torchrun_serve_from_global_rank_0():
                               env={**os.environ, "OMP_NUM_THREADS": "1", "LADDER_DIST_TIMEOUT": "60"})
              for n in (0, 1)]
     try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", nodes, 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), "not serving"
-            time.sleep(0.2)
         answer = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0)
         model = random_model(get_preset("tiny"), LocalCommunicator(), torch.device("cpu")).eval()
         assert answer.choices[0].text.split() == [str(t) for t in Engine(model).generate(torch.tensor([[1, 2, 3]]), 5).tokens[0]]

@@ -17,9 +17,8 @@ from ladder.bench.records import check_results_file, check_trace_folder, measure
 from ladder.bench.spec import BenchPoint, check_repetition, sweep_points
 from ladder.bench.summary import failures, format_summary, read_bench_files, summarise
 from ladder.bench.sweep import run_sweep
-from ladder.cli.common import (DTYPE_CHOICES, decode_step, exit_status, parse_hybrids, parse_list, say,
-                               stop_message)
-from ladder.comm.distributed import is_rank0, pick_device, print_rank0
+from ladder.cli.common import DTYPE_CHOICES, decode_step, exit_status, parse_hybrids, parse_list, stop_message
+from ladder.comm.distributed import is_rank0, pick_device, print_rank0, say
 from ladder.comm.links import LinkModel, get_links
 from ladder.config import default_dtype
 from ladder.errors import LadderError, Stopped

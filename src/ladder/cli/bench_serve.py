@@ -15,7 +15,8 @@ import torch
 
 from ladder.bench.records import append_jsonl, environment
 from ladder.bench.serve_load import LoadSpec, StartedServer, run_load
-from ladder.cli.common import parse_list, say
+from ladder.cli.common import parse_list
+from ladder.comm.distributed import say
 from ladder.errors import LadderError
 from ladder.plotting import pyplot, save
 

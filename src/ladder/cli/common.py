@@ -21,13 +21,6 @@ def info(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def say(line: str) -> None:
-    """One line on stderr in one write. Under torchrun every rank may say the same line at once into
-    one pipe; print's two writes (the text, then the newline) interleave them into a garbled line."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
 def add_model_options(p: argparse.ArgumentParser, tp_flag: bool = True) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="a GGUF file, a Hugging Face folder, or a short name (smollm2-135m-instruct)")

@@ -9,8 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from ladder.cli import bench, bench_serve, convert, evaluate, generate, predict, serve, train
-from ladder.cli.common import exit_status, say, say_defaults, stop_message
-from ladder.comm.distributed import communication_failure
+from ladder.cli.common import exit_status, say_defaults, stop_message
+from ladder.comm.distributed import communication_failure, say
 from ladder.errors import LadderError, Stopped
 
 

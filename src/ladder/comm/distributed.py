@@ -177,6 +177,13 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write. Under torchrun every rank may say the same line at once into
+    one pipe; print's two writes (the text, then the newline) interleave them into a garbled line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def is_rank0() -> bool:
     """Whether this process is global rank 0 (every process is when not launched by torchrun)."""
     return int(os.environ.get("RANK", "0")) == 0

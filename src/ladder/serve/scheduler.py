@@ -158,8 +158,10 @@ class Scheduler:
                 self.metrics.waiting.set(len(self.waiting))
                 if self.running or self.prefilling is not None:
                     return self._plan()
-                if self.moves or not self._lock.wait(HEARTBEAT_S) and self.world_size > 1:
-                    return self._plan()  # no compute: the moves, or a heartbeat for the other ranks
+                if self.moves:
+                    return self._plan()  # no compute: the rows to move
+                if not self._lock.wait(HEARTBEAT_S) and self.world_size > 1:
+                    return self._plan()  # idle for a second: a heartbeat for the other ranks
 
     def _admit(self) -> None:
         if self.prefilling is None and self.waiting and len(self.running) < self.max_batch:
@@ -206,7 +208,8 @@ class Scheduler:
         self.metrics.generation_tokens.inc()
         stops = s.params.stop_token_ids | (frozenset() if s.params.ignore_eos else self.eos_ids)
         if token in stops:
-            self._finish(s, "stop", self._text(s.generated[:-1]), len(self._text(s.generated[:-1])))
+            text = self._text(s.generated[:-1])
+            self._finish(s, "stop", text, len(text))
             return
         text = self._text(s.generated)
         hit = min((i for i in (text.find(stop, max(0, s.emitted - len(stop))) for stop in s.params.stop) if i >= 0),
@@ -254,8 +257,11 @@ class Scheduler:
             self._finish(s, "abort", "", 0)
             self._release(s)
 
+    def _live(self) -> list[Sequence]:
+        return [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.running]
+
     def _abort_all(self) -> None:
-        for s in [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.running]:
+        for s in self._live():
             if not s.finished:
                 self._finish(s, "abort", "", 0)
         self.waiting.clear()
@@ -265,7 +271,7 @@ class Scheduler:
     def _fail(self, message: str) -> None:
         with self._lock:
             self.failure = message
-            for s in [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.running]:
+            for s in self._live():
                 if not s.finished:
                     s.finished = True
                     s.emit(Output("", "abort", len(s.prompt), len(s.generated), error=message))

@@ -23,7 +23,8 @@ import torch
 import uvicorn
 
 from ladder.comm.base import Communicator
-from ladder.comm.distributed import DistContext, check_ranks_agree, init_distributed, pick_device, shutdown_distributed
+from ladder.comm.distributed import (DistContext, check_ranks_agree, init_distributed, pick_device, say,
+                                     shutdown_distributed)
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
 from ladder.errors import LadderError
@@ -32,11 +33,6 @@ from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import Scheduler
 from ladder.serve.steps import StepRunner, share_plan
 from ladder.spec import ModelSpec
-
-
-def say(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 @dataclass(frozen=True)
