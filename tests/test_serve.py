@@ -204,6 +204,21 @@ def test_a_full_queue_answers_503_with_retry_after(slow):
 
 # ---- processes ------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("args, message", [
+    (["--cuda-graph"], "--cuda-graph needs a CUDA device (use --compile or --compile-layers on the CPU)"),
+    (["--compile", "--compile-layers"], "--compile compiles the whole decode step and --compile-layers each layer"),
+    (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's max_seq_len 128"),
+])
+def test_bad_server_options_are_one_line_and_nonzero(args, message):
+    if args == ["--cuda-graph"] and torch.cuda.is_available():
+        pytest.skip("the machine has CUDA")
+    out = subprocess.run([sys.executable, "-m", "ladder", "serve", "--preset", "tiny", *args], capture_output=True,
+                         text=True, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
+
+
 def test_sigterm_during_a_stream_finishes_it_and_exits_0():
     server = Server("--preset", "llama-160m", "--max-model-len", "256", "--shutdown-timeout", "20")
     stream = server.client.completions.create(model=server.model, prompt=[1, 2, 3], max_tokens=60, stream=True)
@@ -216,13 +231,15 @@ def test_sigterm_during_a_stream_finishes_it_and_exits_0():
     assert "server stopped" in server.proc.stderr.read()
 
 
-def test_tp2_on_gloo_answers_what_tp1_answers():
+@pytest.mark.parametrize("decode_step", [[], ["--compile-layers", "--max-model-len", "64"]], ids=["eager", "compiled"])
+def test_tp2_on_gloo_answers_what_tp1_answers(decode_step):
     """Two gloo ranks, rank 0 sending each step's plan: the greedy tokens of the model at TP 1 (the tiny
-    preset's random weights are one model at every TP degree), for requests running side by side."""
+    preset's random weights are one model at every TP degree), for requests running side by side; also
+    with the decode step compiled at padded shapes (both ranks warm every shape up together)."""
     model = random_model(get_preset("tiny"), LocalCommunicator(), torch.device("cpu")).eval()
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1], [42]]
     expected = [" ".join(map(str, Engine(model).generate(torch.tensor([p]), 20).tokens[0])) for p in prompts]
-    server = Server("--preset", "tiny", "--tp", "2", "--max-batch", "2", "--prefill-chunk", "4")
+    server = Server("--preset", "tiny", "--tp", "2", "--max-batch", "2", "--prefill-chunk", "4", *decode_step)
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(lambda p: complete(server, prompt=p, max_tokens=20).choices[0].text, prompts))

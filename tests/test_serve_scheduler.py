@@ -2,23 +2,33 @@
 tokens it gets alone (and those of `Engine.generate`), rows move when requests leave, and the ladder
 overlap holds in the server's decode step."""
 
+import json
 import threading
 import time
 
+import pytest
 import torch
+from torch.profiler import profile
 
 from ladder.comm.base import LocalCommunicator
+from ladder.comm.emulated import EmulatedCommunicator
+from ladder.comm.links import LinkModel
+from ladder.config import get_preset
+from ladder.decode_step import DecodeStep
 from ladder.engine import Engine, SamplingParams
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import GenerationParams, Output, Scheduler
 from ladder.serve.steps import PrefillChunk, StepPlan, StepRunner
 
-from helpers import RecordingCommunicator, make_model, overlapped_modules, tiny
+from ladder.weights import random_model
+
+from helpers import RecordingCommunicator, in_flight_at_each_wait, make_model, overlapped_modules, tiny
 
 
-def run_requests(model, requests, max_batch=4, prefill_chunk=4, cancel_after=None):
+def run_requests(model, requests, max_batch=4, prefill_chunk=4, cancel_after=None, runner=None):
     """Submit every (prompt, params) at once, run the scheduler until all finish; each one's outputs."""
-    scheduler = Scheduler(StepRunner(model, max_batch, 96), None, ServerMetrics("tiny"), max_batch, 64, prefill_chunk)
+    runner = runner or StepRunner(model, max_batch, 96)
+    scheduler = Scheduler(runner, None, ServerMetrics("tiny"), max_batch, 64, prefill_chunk)
     outputs = [[] for _ in requests]
     done = threading.Semaphore(0)
 
@@ -94,3 +104,49 @@ def test_the_ladder_overlap_holds_in_the_servers_decode_step():
     recorder._launched = 0
     runner.run(StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2]))  # two requests at their own positions
     assert all(overlapped_modules(recorder.events))
+
+
+def test_compiled_layers_at_padded_shapes_give_every_request_its_eager_tokens():
+    """Three requests decode padded to four rows while a fourth prefills in row 3: the padding row's
+    writes (at the cache's last position) must not reach it. No shape compiles after the warm-up."""
+    from torch._dynamo.utils import counters
+
+    model = make_model(tiny(layout="ladder", ladder_layers=2))
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], list(range(5, 25))]  # the last prefills in 5 chunks
+    requests = [(p, greedy(n)) for p, n in zip(prompts, [12, 9, 10, 7])]
+    eager, _ = run_requests(model, requests, runner=StepRunner(model, 4, 64))
+    torch._dynamo.reset()
+    counters.clear()
+    runner = StepRunner(model, 4, 64, DecodeStep.COMPILED_LAYERS)
+    assert runner.fixed_shapes.shapes == [(1, 64), (2, 64), (4, 64)]
+    runner.fixed_shapes.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    compiled, _ = run_requests(model, requests, runner=runner)
+    assert [ids(o) for o in compiled] == [ids(o) for o in eager]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("layout, in_flight", [("standard", [1] * 8), ("ladder", [2] * 7 + [1])])
+def test_the_compiled_server_step_equals_eager_and_keeps_each_layouts_overlap(tmp_path, layout, in_flight):
+    """The whole step compiled (one graph per shape, the emulated link traced into it): the warm-up
+    writes nothing a request reads, the logits equal the eager step's, and in a profiler trace of a
+    decode step each ladder all-reduce is still in flight while the next module computes."""
+    cpu = torch.device("cpu")
+    comm = EmulatedCommunicator(LinkModel("test", latency_us=200.0, bandwidth_gbps=1.0), world_size=2, device=cpu)
+    model = random_model(get_preset("tiny", layout=layout), comm, cpu)
+    eager = StepRunner(model, 2, 64)
+    eager.run(StepPlan(prefill=PrefillChunk(0, [1, 2, 3], 0)))
+    eager.run(StepPlan(prefill=PrefillChunk(1, [4, 5], 0)))
+    plan = StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2])
+    expected, _ = eager.run(plan)
+
+    compiled = StepRunner(model, 2, 64, DecodeStep.COMPILED)  # the same cache: the prefills are there
+    compiled.fixed_shapes.warm_up()
+    logits, _ = compiled.run(plan)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+    with profile() as trace:
+        compiled.run(StepPlan(decode_tokens=[9], decode_positions=[4]))  # one request, padded to no row
+    trace.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert in_flight_at_each_wait(events, "ladder::emulated_all_reduce", ("ladder::emulated_wait",)) == in_flight

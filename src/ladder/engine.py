@@ -97,12 +97,7 @@ class Engine:
         if step.captures_cuda_graph:
             self._decode = CudaGraphStep(self._decode_step, model)
         if step.compiles_step:
-            # One graph per step (collectives, real or emulated, trace into it), as in the paper, with
-            # CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each
-            # all-reduce launch down to its wait, and the overlap with it.
-            options = {"triton.cudagraphs": self.device.type == "cuda", "reorder_for_locality": False}
-            trace_emulated_launches()
-            self._decode = torch.compile(self._decode_step, fullgraph=True, options=options)
+            self._decode = compile_step(self._decode_step, self.device)
 
     def _decode_step(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         return self.model(token, input_pos)[:, -1]  # (B, V)
@@ -146,6 +141,15 @@ class Engine:
                               f"the KV cache of {max_seq} tokens")
         self.model.setup_caches(B, max_seq)
         return Generation(self, prompt.to(self.device), max_new_tokens, sampling, stop_ids, on_token)
+
+
+def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
+    """`step` as one torch.compile graph (collectives, real or emulated, trace into it), as in the paper,
+    with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each all-reduce
+    launch down to its wait, and the overlap with it."""
+    options = {"triton.cudagraphs": device.type == "cuda", "reorder_for_locality": False}
+    trace_emulated_launches()
+    return torch.compile(step, fullgraph=True, options=options)
 
 
 class CudaGraphStep:
@@ -218,7 +222,7 @@ class Generation:
         synchronize(device)
         start = time.perf_counter()
         if not self.out:
-            with _eager_if(self.engine.step.compiles_layers):  # (one compilation per prompt length otherwise)
+            with eager_if(self.engine.step.compiles_layers):  # (one compilation per prompt length otherwise)
                 logits = model(self.prompt, torch.arange(T, device=device), last_only=True)[:, -1]  # (B, V)
             token = sample(logits, self.sampling, self.generator)  # (B,)
             synchronize(device)
@@ -243,7 +247,7 @@ class Generation:
                                 self.decode_s, self.latencies)
 
 
-def _eager_if(condition: bool) -> contextlib.AbstractContextManager:
+def eager_if(condition: bool) -> contextlib.AbstractContextManager:
     """Compiled code runs eagerly inside, when `condition` holds."""
     return torch.compiler.set_stance("force_eager") if condition else contextlib.nullcontext()
 

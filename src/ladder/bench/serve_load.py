@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import random
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ladder.bench.summary import percentiles
 from ladder.checkpoint.resolve import open_checkpoint
 from ladder.corpora import shakespeare_text
 from ladder.errors import LadderError
@@ -130,18 +130,8 @@ def summarise(results: list[RequestResult], duration_s: float) -> dict[str, Any]
            "errors": sorted({r.error for r in results if r.error})[:3]}
     for name, values in (("ttft", [r.ttft_s for r in ok if r.ttft_s is not None]), ("itl", itl),
                          ("e2e", [r.e2e_s for r in ok])):
-        out[f"{name}_ms"] = _stats([v * 1e3 for v in values])
+        out[f"{name}_ms"] = percentiles([v * 1e3 for v in values])
     return out
-
-
-def _stats(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-
-    def q(p: float) -> float:
-        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
-    return {"mean": statistics.fmean(values), "p50": statistics.median(values), "p90": q(0.9), "p99": q(0.99)}
 
 
 class StartedServer:

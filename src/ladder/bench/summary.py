@@ -16,6 +16,15 @@ from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError
 
 
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """Mean, p50, p90 and p99 (linear between the closest ranks) and n; None for no values. Every
+    latency ladder reports (bench's decode steps, bench serve's TTFT, ITL and end-to-end) uses this."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else list(values) * 99
+    return {"mean": statistics.fmean(values), "p50": q[49], "p90": q[89], "p99": q[98], "n": len(values)}
+
+
 def read_results(path: Path) -> list[dict[str, Any]]:
     """Every record of a results file, in the order measured (failed configurations included)."""
     return [record for _, record in json_lines(path)]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ladder.bench.records import SCHEMA_VERSION, environment
 from ladder.bench.spec import BenchPoint
-from ladder.bench.summary import layout_label
+from ladder.bench.summary import layout_label, percentiles
 from ladder.bench.trace import link_overlap, profile_generation
 from ladder.comm.distributed import from_every_rank, init_distributed, pick_device, shutdown_distributed
 from ladder.comm.emulated import EmulatedCommunicator
@@ -257,7 +257,7 @@ def _result(point: BenchPoint, model: Transformer, device: torch.device, dtype: 
         "tokens_per_s": statistics.median(tokens_per_s),
         "tokens_per_s_runs": tokens_per_s,
         "tokens_per_s_per_device": statistics.median(tokens_per_s) / point.tp,
-        "decode_token_latency_ms": _percentiles([t * 1e3 for t in latencies]),
+        "decode_token_latency_ms": percentiles([t * 1e3 for t in latencies]),
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
         "weight_bytes_per_rank": weight_bytes,
@@ -274,9 +274,3 @@ def _result(point: BenchPoint, model: Transformer, device: torch.device, dtype: 
         result["hidden_in_run"] = comm.hidden_fraction
     return result
 
-
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
-    return {"mean": statistics.mean(values), "p50": q[49], "p90": q[89], "p99": q[98], "n": len(values)}

@@ -6,7 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ladder.cli.common import add_model_options, model_spec
+import torch
+
+from ladder.cli.common import add_model_options, decode_step, model_spec
 from ladder.comm.launch import launch
 from ladder.comm.links import link_presets
 from ladder.errors import LadderError, Stopped
@@ -24,9 +26,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LadderError(f"--max-model-len {args.max_model_len} exceeds the model's max_seq_len {config.max_seq_len}")
     if args.interconnect is not None and args.interconnect not in link_presets():
         raise LadderError(f"unknown --interconnect {args.interconnect!r}; known: {', '.join(link_presets())}")
+    step = decode_step(args)
+    if step.captures_cuda_graph and (spec.device == "cpu" or not torch.cuda.is_available()):
+        raise LadderError("--cuda-graph needs a CUDA device (use --compile or --compile-layers on the CPU)")
     name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
     settings = ServeSettings(spec, name, args.host, args.port, args.max_batch, args.max_model_len, args.max_waiting,
-                             args.prefill_chunk, args.shutdown_timeout, args.interconnect, args.link_scale)
+                             args.prefill_chunk, args.shutdown_timeout, args.interconnect, args.link_scale, step)
     emulated = args.interconnect is not None
     try:
         launch(serve_on_rank, 1 if emulated else spec.tp, settings, device=spec.device, workers_catch_interrupt=True)
@@ -52,5 +57,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="seconds requests in flight get to finish after SIGTERM or Ctrl-C")
     g.add_argument("--interconnect", help="an emulated link (one process, rank 0's shard of --tp ranks)")
     g.add_argument("--link-scale", type=float, default=1.0, help="stretch the emulated link's times")
+    d = s.add_argument_group("decode step (compiled or graphed at fixed shapes, made before the server answers)")
+    d.add_argument("--compile", action="store_true", help="torch.compile the whole decode step (CUDA graphs on GPU)")
+    d.add_argument("--compile-layers", action="store_true",
+                   help="compile each layer's attention and MLP once for all layers, the step between them eager")
+    d.add_argument("--cuda-graph", action="store_true",
+                   help="capture the decode step (eager, or with --compile-layers) as CUDA graphs (GPU)")
     s.set_defaults(func=cmd_serve)
     return s

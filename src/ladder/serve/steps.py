@@ -8,15 +8,24 @@ at most one chunk of one prompt, and the KV-cache rows to move first.
 KV-cache rows: the D running requests hold rows 0..D-1 (so the decode forward reads a slice of the
 cache, not a gathered copy) and the one request being prefilled holds row D. When a request leaves,
 the last running row moves into its place, and the prefilling row after it.
+
+A compiled or CUDA-graphed decode step needs few shapes: `FixedShapeDecode` pads the batch up to a
+power of two and reads the cache up to a power-of-two multiple of KV_BLOCK, and makes every shape
+(compiles it, or captures its graph) before the server takes requests. The prefill stays eager.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ladder.decode_step import DecodeStep
+from ladder.engine import CudaGraphStep, compile_step, eager_if
+from ladder.errors import LadderError
 from ladder.model import Transformer
 
 KV_BLOCK = 64  # attention reads the cache up to the longest sequence, rounded up: few distinct shapes
@@ -55,11 +64,14 @@ def share_plan(plan: StepPlan | None, group: dist.ProcessGroup | None, world_siz
 class StepRunner:
     """Runs plans on this rank's shard of the model and returns the logits rank 0 samples from."""
 
-    def __init__(self, model: Transformer, max_batch: int, max_model_len: int) -> None:
+    def __init__(self, model: Transformer, max_batch: int, max_model_len: int,
+                 step: DecodeStep = DecodeStep.EAGER) -> None:
         self.model = model
         self.device = model.output.weight.device
         self.max_model_len = max_model_len
+        self.step = step
         model.setup_caches(max_batch, max_model_len)
+        self.fixed_shapes = None if step is DecodeStep.EAGER else FixedShapeDecode(model, step, max_batch, max_model_len)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -69,18 +81,94 @@ class StepRunner:
                 layer.attention.kv_cache.move_row(source, target, length)
         decoded = prefilled = None
         if plan.decode_tokens:
-            tokens = torch.tensor(plan.decode_tokens, device=self.device)[:, None]  # (D, 1)
-            positions = torch.tensor(plan.decode_positions, device=self.device)[:, None]  # (D, 1): each its own
-            rows = slice(0, len(plan.decode_tokens))
-            decoded = self.model(tokens, positions, rows=rows, kv_len=self._kv_len(max(plan.decode_positions) + 1))[:, -1]
+            if self.fixed_shapes is not None:
+                decoded = self.fixed_shapes(plan.decode_tokens, plan.decode_positions)
+            else:
+                tokens = torch.tensor(plan.decode_tokens, device=self.device)[:, None]  # (D, 1)
+                positions = torch.tensor(plan.decode_positions, device=self.device)[:, None]  # (D, 1): each its own
+                kv_len = kv_blocks(max(plan.decode_positions) + 1, self.max_model_len)
+                decoded = decode_forward(self.model, tokens, positions, kv_len)
         if plan.prefill is not None:
             chunk = plan.prefill
             tokens = torch.tensor([chunk.tokens], device=self.device)  # (1, T)
             positions = torch.arange(chunk.start, chunk.start + len(chunk.tokens), device=self.device)
-            logits = self.model(tokens, positions, last_only=True, rows=slice(chunk.row, chunk.row + 1),
-                                kv_len=self._kv_len(chunk.start + len(chunk.tokens)))
+            with eager_if(self.step.compiles_layers):  # a compiled branch per chunk length otherwise
+                logits = self.model(tokens, positions, last_only=True, rows=slice(chunk.row, chunk.row + 1),
+                                    kv_len=kv_blocks(chunk.start + len(chunk.tokens), self.max_model_len))
             prefilled = logits[0, -1]
         return decoded, prefilled
 
-    def _kv_len(self, needed: int) -> int:
-        return min(self.max_model_len, -(-needed // KV_BLOCK) * KV_BLOCK)
+
+def kv_blocks(needed: int, max_model_len: int) -> int:
+    """Cache positions a forward reads: `needed` rounded up to whole blocks."""
+    return min(max_model_len, -(-needed // KV_BLOCK) * KV_BLOCK)
+
+
+def decode_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Logits (B, V) of one token per running request, tokens and positions (B, 1), in cache rows 0..B-1."""
+    return model(tokens, positions, rows=slice(0, tokens.shape[0]), kv_len=kv_len)[:, -1]
+
+
+def powers_of_two_up_to(least: int, most: int) -> list[int]:
+    """least, 2 least, 4 least, ... below `most`, then `most`."""
+    sizes = [least]
+    while sizes[-1] * 2 < most:
+        sizes.append(sizes[-1] * 2)
+    return [n for n in sizes if n < most] + [most]
+
+
+class FixedShapeDecode:
+    """The server's decode forward at a few shapes, each compiled or captured once (at start-up).
+
+    The batch is padded up to the next of 1, 2, 4, ... max_batch rows, and the cache read up to the next
+    of KV_BLOCK, 2 KV_BLOCK, ... max_model_len positions: at most log2(max_batch) + 1 times
+    log2(max_model_len / KV_BLOCK) + 1 shapes. A padding row writes its key and value at the cache's
+    last position, which no request reads: a request's input positions end at max_model_len - 2 (a prompt
+    and its max_tokens fit the context, and the last token is never fed back), and a query reads keys up
+    to its own position only. So padding rows may sit on any row, the prefilling one included.
+    """
+
+    def __init__(self, model: Transformer, step: DecodeStep, max_batch: int, max_model_len: int) -> None:
+        self.model, self.step = model, step
+        self.device = model.output.weight.device
+        self.scratch_position = max_model_len - 1
+        self.batch_sizes = powers_of_two_up_to(1, max_batch)
+        self.kv_lens = powers_of_two_up_to(min(KV_BLOCK, max_model_len), max_model_len)
+        if step.captures_cuda_graph and self.device.type != "cuda":
+            raise LadderError(f"--cuda-graph needs a CUDA device; the model is on {self.device}")
+        if step.compiles_layers:
+            model.compile_layers()
+        shapes = len(self.batch_sizes) * len(self.kv_lens)
+        # torch.compile specialises on each shape; past its recompile limit it would fall back to eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes + 1)
+        forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, model)
+        if step.compiles_step:
+            forward = compile_step(forward, self.device)
+        self.forwards: dict[tuple[int, int], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+        for batch in self.batch_sizes:
+            for kv_len in self.kv_lens:
+                at_shape = functools.partial(forward, kv_len=kv_len)
+                self.forwards[batch, kv_len] = CudaGraphStep(at_shape, model) if step.captures_cuda_graph else at_shape
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        return list(self.forwards)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every shape once, every row a padding row: compiles or captures each, writes only scratch."""
+        for batch, kv_len in self.forwards:
+            self._run([0] * batch, [self.scratch_position] * batch, kv_len)
+
+    def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits (D, V) of the D running requests."""
+        D = len(tokens)
+        batch = next(n for n in self.batch_sizes if n >= D)
+        kv_len = next(n for n in self.kv_lens if n >= max(positions) + 1)
+        pad = batch - D
+        return self._run(tokens + [0] * pad, positions + [self.scratch_position] * pad, kv_len)[:D]
+
+    def _run(self, tokens: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
+        token_column = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1)
+        position_column = torch.tensor(positions, device=self.device)[:, None]
+        return self.forwards[len(tokens), kv_len](token_column, position_column)

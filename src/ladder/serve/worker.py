@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from ladder.comm.distributed import (DistContext, check_ranks_agree, init_distri
                                      shutdown_distributed)
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
+from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError
 from ladder.serve.api import ServerState, create_app
 from ladder.serve.metrics import ServerMetrics
@@ -48,6 +50,7 @@ class ServeSettings:
     shutdown_timeout_s: float = 10.0
     interconnect: str | None = None  # an emulated link: one process, rank 0's shard
     link_scale: float = 1.0
+    decode_step: DecodeStep = DecodeStep.EAGER  # compiled or CUDA-graphed: fixed shapes, made at start-up
 
 
 def serve_on_rank(settings: ServeSettings) -> None:
@@ -85,7 +88,15 @@ def _runner(settings: ServeSettings, ctx: DistContext | None) -> tuple[StepRunne
     if max_model_len > loaded.model.config.max_seq_len:
         raise LadderError(f"--max-model-len {max_model_len} exceeds the model's max_seq_len "
                           f"{loaded.model.config.max_seq_len}")
-    return StepRunner(loaded.model, settings.max_batch, max_model_len), loaded
+    runner = StepRunner(loaded.model, settings.max_batch, max_model_len, settings.decode_step)
+    if runner.fixed_shapes is not None:  # every rank, in the same order: the warm-up's forwards all-reduce
+        say(f"ladder: making the {settings.decode_step.value} decode step for {len(runner.fixed_shapes.shapes)} "
+            f"shapes (batch {'/'.join(map(str, runner.fixed_shapes.batch_sizes))} x cache "
+            f"{'/'.join(map(str, runner.fixed_shapes.kv_lens))})")
+        start = time.perf_counter()
+        runner.fixed_shapes.warm_up()
+        say(f"ladder: decode step ready in {time.perf_counter() - start:.1f} s")
+    return runner, loaded
 
 
 def _follow(settings: ServeSettings, ctx: DistContext) -> None:
