@@ -1,6 +1,7 @@
 """`ladder serve` as a user meets it: a real server process, spoken to with the official `openai` client
 (and raw HTTP where a client would refuse to send the request)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from ladder.bench.serve_load import LoadSpec, draw_requests, load_tokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.config import get_preset
 from ladder.engine import Engine
@@ -200,6 +202,44 @@ def test_a_full_queue_answers_503_with_retry_after(slow):
     assert refused.json()["error"]["type"] == "server_overloaded"
     first.close()
     waiting.join(60)
+
+
+# ---- the load benchmark ---------------------------------------------------------------------------------
+
+def bench_serve(tmp_path: Path, *args: str) -> list[dict]:
+    out = tmp_path / "load.jsonl"
+    result = subprocess.run([sys.executable, "-m", "ladder", "bench", "serve", *args, "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def assert_ordered(stats: dict) -> None:
+    assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], stats
+
+
+def test_bench_serve_drives_a_running_server_with_shakespeare_prompts(smollm, tmp_path):
+    spec = LoadSpec(num_requests=4, output_len=8, prompt_len=32)
+    [record] = bench_serve(tmp_path, "--url", smollm.url, "--num-requests", "4", "--output-len", "8", "--prompt-len", "32")
+    drawn = draw_requests(spec, load_tokenizer(spec))
+    assert record["completed"] == 4 and record["failed"] == 0 and record["usage_from"] == "server"
+    assert record["total_output_tokens"] == sum(r.output_len for r in drawn)  # ignore_eos: every drawn length
+    assert record["total_prompt_tokens"] == sum(r.prompt_tokens for r in drawn)  # the server counts what we did
+    for name in ("ttft_ms", "itl_ms", "e2e_ms"):
+        assert_ordered(record[name])
+    assert record["ttft_ms"]["n"] == 4 and record["e2e_ms"]["p50"] >= record["ttft_ms"]["p50"]
+
+
+def test_bench_serve_starts_its_own_server_and_plots_latency_against_load(tmp_path):
+    records = bench_serve(tmp_path, "--serve", "--preset tiny --max-batch 2", "--dataset", "fixed", "--byte-prompts",
+                          "--prompt-len", "8", "--output-len", "5", "--num-requests", "5", "--request-rates", "20,inf",
+                          "--plot", str(tmp_path / "load.png"))
+    assert [r["request_rate"] for r in records] == [20.0, float("inf")]
+    for record in records:
+        assert record["completed"] == 5 and record["total_output_tokens"] == 25 and record["total_prompt_tokens"] == 40
+        assert record["itl_ms"]["n"] == 5 * 4  # a chunk per token after the first (a random model's ids as text)
+        assert_ordered(record["itl_ms"])
+    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- processes ------------------------------------------------------------------------------------------

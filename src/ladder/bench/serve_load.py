@@ -23,6 +23,7 @@ from typing import Any
 
 from ladder.bench.summary import percentiles
 from ladder.checkpoint.resolve import open_checkpoint
+from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.corpora import shakespeare_text
 from ladder.errors import LadderError
 
@@ -49,33 +50,45 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
     error: str | None = None
+    text: str = ""
+    counted_by_server: bool = False  # usage came in the stream (stream_options.include_usage)
 
 
-def draw_requests(spec: LoadSpec) -> list[tuple[str | list[int], int]]:
-    """(prompt, output length) of each request."""
+@dataclass(frozen=True)
+class LoadRequest:
+    prompt: str | list[int]
+    prompt_tokens: int
+    output_len: int
+
+
+def load_tokenizer(spec: LoadSpec) -> TextTokenizer | None:
+    """The tokenizer that measures prompts and outputs (None for byte prompts: a server without one)."""
+    return None if spec.byte_prompts else open_checkpoint(spec.tokenizer).tokenizer
+
+
+def draw_requests(spec: LoadSpec, tokenizer: TextTokenizer | None) -> list[LoadRequest]:
     rng = random.Random(spec.seed)
-    tokenizer = None if spec.byte_prompts else open_checkpoint(spec.tokenizer).tokenizer
-    encode = tokenizer.encode if tokenizer is not None else (lambda text: list(text.encode()))
+    to_ids = tokenizer.encode if tokenizer is not None else (lambda text: list(text.encode()))
     speeches = [s.strip() for s in shakespeare_text("heldout").split("\n\n") if len(s.strip()) > 40]
     requests = []
     for _ in range(spec.num_requests):
         i = rng.randrange(len(speeches) - 1)
-        ids = encode(speeches[i] if spec.dataset == "shakespeare" else " ".join(speeches[i:i + 40]))
+        ids = to_ids(speeches[i] if spec.dataset == "shakespeare" else " ".join(speeches[i:i + 40]))
         prompt = ids[:spec.prompt_len]
-        out = spec.output_len if spec.dataset == "fixed" else max(4, min(spec.output_len, len(encode(speeches[i + 1]))))
+        out = spec.output_len if spec.dataset == "fixed" else max(4, min(spec.output_len, len(to_ids(speeches[i + 1]))))
         if spec.dataset == "fixed" and len(prompt) < spec.prompt_len:
             raise LadderError(f"no passage of {spec.prompt_len} tokens to cut a prompt from")
-        requests.append((prompt if tokenizer is None else tokenizer.decode(prompt), out))
+        requests.append(LoadRequest(prompt if tokenizer is None else tokenizer.decode(prompt), len(prompt), out))
     return requests
 
 
-async def _one(client: Any, model: str, prompt: str | list[int], output_len: int, spec: LoadSpec) -> RequestResult:
+async def _one(client: Any, model: str, request: LoadRequest, spec: LoadSpec) -> RequestResult:
     start = time.perf_counter()
-    result = RequestResult(prompt_tokens=0, output_tokens=0)
+    result = RequestResult(prompt_tokens=request.prompt_tokens, output_tokens=0)
     last = start
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
+            model=model, prompt=request.prompt, max_tokens=request.output_len, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": spec.ignore_eos})
         async for chunk in stream:
             now = time.perf_counter()
@@ -85,8 +98,11 @@ async def _one(client: Any, model: str, prompt: str | list[int], output_len: int
                 else:
                     result.itl_s.append(now - last)
                 last = now
+                result.text += chunk.choices[0].text
+                result.output_tokens += 1  # (a chunk a token, until the server's usage says otherwise)
             if chunk.usage is not None:
                 result.prompt_tokens, result.output_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+                result.counted_by_server = True
         result.e2e_s = time.perf_counter() - start
     except Exception as exc:  # noqa: BLE001 (a failed request is counted, not the end of the run)
         result.error = f"{type(exc).__name__}: {exc}"
@@ -94,30 +110,38 @@ async def _one(client: Any, model: str, prompt: str | list[int], output_len: int
 
 
 async def run_load(url: str, spec: LoadSpec, model: str | None = None) -> dict[str, Any]:
-    """Send the requests to the server at `url`; the run's summary (latencies in ms)."""
+    """Send the requests to the server at `url`; the run's summary (latencies in ms).
+
+    A server that sends no usage in the stream (llama-cpp-python ignores `stream_options`) has its
+    output counted on the client, as vLLM's benchmark does: the answer's text re-tokenised, or one token
+    a chunk for byte prompts."""
     try:
         import openai  # (an optional dependency: only this command needs it)
     except ImportError:
         raise LadderError("ladder bench serve needs the openai client: pip install openai") from None
     client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=600)
     model = model or (await client.models.list()).data[0].id
-    requests = draw_requests(spec)
+    tokenizer = load_tokenizer(spec)
+    requests = draw_requests(spec, tokenizer)
     rng = random.Random(spec.seed + 1)
     limit = asyncio.Semaphore(spec.max_concurrency or len(requests))
 
-    async def limited(prompt: str | list[int], n: int) -> RequestResult:
+    async def limited(request: LoadRequest) -> RequestResult:
         async with limit:
-            return await _one(client, model, prompt, n, spec)
+            return await _one(client, model, request, spec)
 
     start = time.perf_counter()
     tasks = []
-    for prompt, n in requests:
-        tasks.append(asyncio.create_task(limited(prompt, n)))
+    for request in requests:
+        tasks.append(asyncio.create_task(limited(request)))
         if spec.request_rate != float("inf"):
             await asyncio.sleep(rng.expovariate(spec.request_rate))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     await client.close()
+    for r in results:
+        if not r.counted_by_server and tokenizer is not None:
+            r.output_tokens = len(tokenizer.encode(r.text))
     return summarise(results, duration) | {"model": model, "url": url, "load": asdict(spec)}
 
 
@@ -127,7 +151,8 @@ def summarise(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     out = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration_s,
            "request_throughput": len(ok) / duration_s, "output_throughput": sum(r.output_tokens for r in ok) / duration_s,
            "total_output_tokens": sum(r.output_tokens for r in ok), "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
-           "errors": sorted({r.error for r in results if r.error})[:3]}
+           "errors": sorted({r.error for r in results if r.error})[:3],
+           "usage_from": "server" if all(r.counted_by_server for r in ok) else "client"}
     for name, values in (("ttft", [r.ttft_s for r in ok if r.ttft_s is not None]), ("itl", itl),
                          ("e2e", [r.e2e_s for r in ok])):
         out[f"{name}_ms"] = percentiles([v * 1e3 for v in values])
