@@ -88,15 +88,20 @@ def _runner(settings: ServeSettings, ctx: DistContext | None) -> tuple[StepRunne
     if max_model_len > loaded.model.config.max_seq_len:
         raise LadderError(f"--max-model-len {max_model_len} exceeds the model's max_seq_len "
                           f"{loaded.model.config.max_seq_len}")
-    runner = StepRunner(loaded.model, settings.max_batch, max_model_len, settings.decode_step)
-    if runner.fixed_shapes is not None:  # every rank, in the same order: the warm-up's forwards all-reduce
-        say(f"ladder: making the {settings.decode_step.value} decode step for {len(runner.fixed_shapes.shapes)} "
-            f"shapes (batch {'/'.join(map(str, runner.fixed_shapes.batch_sizes))} x cache "
-            f"{'/'.join(map(str, runner.fixed_shapes.kv_lens))})")
-        start = time.perf_counter()
-        runner.fixed_shapes.warm_up()
-        say(f"ladder: decode step ready in {time.perf_counter() - start:.1f} s")
-    return runner, loaded
+    return StepRunner(loaded.model, settings.max_batch, max_model_len, settings.decode_step), loaded
+
+
+def _warm_up(runner: StepRunner) -> None:
+    """Compile or capture every shape of a fixed-shape decode step. Every rank calls this at the same
+    point, before its first plan: the warm-up's forwards all-reduce."""
+    fixed = runner.fixed_shapes
+    if fixed is None:
+        return
+    say(f"ladder: making the {runner.step.value} decode step for {len(fixed.shapes)} shapes (batch "
+        f"{'/'.join(map(str, fixed.batch_sizes))} x cache {'/'.join(map(str, fixed.kv_lens))})")
+    start = time.perf_counter()
+    fixed.warm_up()
+    say(f"ladder: decode step ready in {time.perf_counter() - start:.1f} s")
 
 
 def _follow(settings: ServeSettings, ctx: DistContext) -> None:
@@ -104,6 +109,7 @@ def _follow(settings: ServeSettings, ctx: DistContext) -> None:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
     runner, _ = _runner(settings, ctx)
+    _warm_up(runner)
     while not (plan := share_plan(None, None, ctx.world_size)).stop:
         runner.run(plan)
 
@@ -138,12 +144,13 @@ def _engine(settings: ServeSettings, ctx: DistContext | None, state: ServerState
     """Load the model (the HTTP server answers 503 meanwhile), then run the scheduler until shutdown."""
     try:
         runner, loaded = _runner(settings, ctx)
+        say(f"ladder: {settings.model.describe(loaded)}")
+        _warm_up(runner)  # /health says 503 until it is done
         world = ctx.world_size if ctx is not None else 1
         state.max_model_len, state.vocab_size = runner.max_model_len, loaded.model.config.vocab_size
         state.tokenizer = loaded.tokenizer
         state.scheduler = Scheduler(runner, loaded.tokenizer, state.metrics, settings.max_batch, settings.max_waiting,
                                     settings.prefill_chunk, None, world)
-        say(f"ladder: {settings.model.describe(loaded)}")
         say(f"ladder: serving {settings.name!r} on http://{settings.host}:{settings.port} (max batch "
             f"{settings.max_batch}, context {runner.max_model_len})")
         state.scheduler.run()
