@@ -150,3 +150,15 @@ def test_the_compiled_server_step_equals_eager_and_keeps_each_layouts_overlap(tm
     trace.export_chrome_trace(str(tmp_path / "trace.json"))
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert in_flight_at_each_wait(events, "ladder::emulated_all_reduce", ("ladder::emulated_wait",)) == in_flight
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphed_server_steps_give_every_request_its_eager_tokens():
+    model = make_model(tiny(layout="ladder", ladder_layers=2)).cuda()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], list(range(5, 25))]
+    requests = [(p, greedy(n)) for p, n in zip(prompts, [12, 9, 10, 7])]
+    eager, _ = run_requests(model, requests, runner=StepRunner(model, 4, 64))
+    runner = StepRunner(model, 4, 64, DecodeStep.CUDA_GRAPH)
+    runner.fixed_shapes.warm_up()  # captures every shape
+    assert [ids(o) for o in run_requests(model, requests, runner=runner)[0]] == [ids(o) for o in eager]
+    assert [ids(o) for o in run_requests(model, requests, runner=runner)[0]] == [ids(o) for o in eager]  # replayed
