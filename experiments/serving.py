@@ -6,7 +6,7 @@ a loaded server runs 1 to 8 requests a step, and at batch 1 the main job's x4.87
 twentieth of the step once the load rises), served by `ladder serve` with up to 8 requests in flight; `ladder bench serve` sends 32 requests at
 three rates, the last all at once (saturation). Standard, ladder and upper bound in turns, `--rounds`
 times. Then the server path's own speed: SmolLM2-135M-Instruct at batch 1, the server's decode tokens/s
-(one request at a time) against `ladder generate`'s.
+(one request at a time; eager, and with --compile-layers) against `ladder generate`'s.
 
     .venv/bin/python experiments/serving.py [--rounds 3] [--rates 0.5,1.5,inf] [--only load|speed|summary]
 
@@ -45,22 +45,27 @@ def under_load(args: argparse.Namespace) -> None:
                    "--output-len", "64", "--seed", str(round_), "--out", str(OUT / "bench-serve.jsonl"))
 
 
+SPEED_VARIANTS = {"server": "", "server_compiled_layers": "--compile-layers --max-model-len 256"}
+
+
 def batch_one_speed(args: argparse.Namespace) -> None:
-    """The server's decode tokens/s at batch 1 against ladder generate's, on the same model and prompt."""
+    """The server's decode tokens/s at batch 1 (eager, and with its decode step's layers compiled) against
+    ladder generate's, on the same model and prompt."""
     records = []
     for round_ in range(args.rounds):
         generated = ladder("generate", "--model", "smollm2-135m-instruct", "--prompt-ids", "72,101,108,108",
                            "--max-new-tokens", "128")  # ids: no end-of-sequence stop, as the server's ignore_eos
-        generate_tps = float(re.search(r"decode ([\d.]+) tokens/s", generated.stderr).group(1))
-        out = OUT / "speed-run.jsonl"
-        out.unlink(missing_ok=True)
-        ladder("bench", "serve", "--serve", "--model smollm2-135m-instruct --max-batch 1", "--dataset", "fixed",
-               "--byte-prompts", "--prompt-len", "4", "--output-len", "128", "--num-requests", "4", "--max-concurrency", "1",
-               "--out", str(out))
-        itl = json.loads(out.read_text().splitlines()[-1])["itl_ms"]["mean"]
-        records.append({"round": round_, "generate_decode_tokens_per_s": generate_tps,
-                        "server_decode_tokens_per_s": 1000 / itl})
-        out.unlink()
+        record = {"round": round_, "generate_decode_tokens_per_s":
+                  float(re.search(r"decode ([\d.]+) tokens/s", generated.stderr).group(1))}
+        for name, extra in SPEED_VARIANTS.items():
+            out = OUT / "speed-run.jsonl"
+            out.unlink(missing_ok=True)
+            ladder("bench", "serve", "--serve", f"--model smollm2-135m-instruct --max-batch 1 {extra}", "--dataset",
+                   "fixed", "--byte-prompts", "--prompt-len", "4", "--output-len", "128", "--num-requests", "4",
+                   "--max-concurrency", "1", "--out", str(out))
+            record[f"{name}_decode_tokens_per_s"] = 1000 / json.loads(out.read_text().splitlines()[-1])["itl_ms"]["mean"]
+            out.unlink()
+        records.append(record)
     (OUT / "speed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
@@ -89,6 +94,11 @@ def summary() -> None:
     s = statistics.median(r["server_decode_tokens_per_s"] for r in speed)
     lines += ["", f"Batch 1, SmolLM2-135M-Instruct, TP 1: ladder generate decodes {g:.1f} tokens/s, the server "
               f"{s:.1f} ({s / g - 1:+.1%}; median of {len(speed)} rounds)."]
+    if "server_compiled_layers_decode_tokens_per_s" in speed[0]:
+        c = statistics.median(r["server_compiled_layers_decode_tokens_per_s"] for r in speed)
+        lines[-1] += f" With --compile-layers the server decodes {c:.1f} ({c / g - 1:+.1%})."
+    lines += ["", "ITL p99 in bench-serve.jsonl: the nearest rank (the percentile code of the run's commit; "
+              "ladder now interpolates between ranks, `ladder.bench.summary.percentiles`)."]
     (OUT / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--rates", default="1,inf")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--ladder-args", action="append", default=[""],
-                        help="another ladder serve variant to measure, e.g. \"--compile-layers\"")
+                        help="another ladder serve variant to measure, e.g. --ladder-args=--compile-layers")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "peer.jsonl").unlink(missing_ok=True)
