@@ -16,6 +16,7 @@ power of two and reads the cache up to a power-of-two multiple of KV_BLOCK, and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -138,9 +139,10 @@ class FixedShapeDecode:
             raise LadderError(f"--cuda-graph needs a CUDA device; the model is on {self.device}")
         if step.compiles_layers:
             model.compile_layers()
+        # torch.compile specialises on each shape; past its recompile limit (8) it would run eager.
         shapes = len(self.batch_sizes) * len(self.kv_lens)
-        # torch.compile specialises on each shape; past its recompile limit it would fall back to eager.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes + 1)
+        self.compiling = (functools.partial(torch._dynamo.config.patch, recompile_limit=max(shapes, 8))
+                          if step.compiles_step or step.compiles_layers else contextlib.nullcontext)
         forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, model)
         if step.compiles_step:
             forward = compile_step(forward, self.device)
@@ -171,4 +173,5 @@ class FixedShapeDecode:
     def _run(self, tokens: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
         token_column = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1)
         position_column = torch.tensor(positions, device=self.device)[:, None]
-        return self.forwards[len(tokens), kv_len](token_column, position_column)
+        with self.compiling():
+            return self.forwards[len(tokens), kv_len](token_column, position_column)
