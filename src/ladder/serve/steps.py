@@ -139,7 +139,7 @@ class FixedShapeDecode:
             raise LadderError(f"--cuda-graph needs a CUDA device; the model is on {self.device}")
         if step.compiles_layers:
             model.compile_layers()
-        # torch.compile specialises on each shape; past its recompile limit (8) it would run eager.
+        # torch.compile specialises on each shape, and a fullgraph compile fails past its recompile limit (8).
         shapes = len(self.batch_sizes) * len(self.kv_lens)
         self.compiling = (functools.partial(torch._dynamo.config.patch, recompile_limit=max(shapes, 8))
                           if step.compiles_step or step.compiles_layers else contextlib.nullcontext)
