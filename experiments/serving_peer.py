@@ -19,15 +19,12 @@ Writes results/serve/peer.jsonl and results/serve/peer.md.
 
 import argparse
 import json
-import shlex
-import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+from ladder.bench.serve_load import StartedServer, free_port
 from ladder.checkpoint.resolve import open_checkpoint
 
 OUT = Path("results/serve")
@@ -36,52 +33,20 @@ SLOTS = 8
 CONTEXT = 512  # per request
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not become healthy")
-
-
 def llama_cpp_command(binary: str, port: int) -> list[str]:
     gguf = str(open_checkpoint(MODEL).path)
     return [binary, "-m", gguf, "--port", str(port), "--threads", "2", "--parallel", str(SLOTS),
             "--ctx-size", str(SLOTS * CONTEXT), "--cont-batching", "--alias", MODEL]
 
 
-def ladder_command(extra: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "ladder", "serve", "--model", MODEL, "--max-batch", str(SLOTS),
-            "--max-model-len", str(CONTEXT), "--port", str(port), *shlex.split(extra)]
-
-
-def measure(label: str, command: list[str], port: int, args: argparse.Namespace, round_: int) -> None:
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, server)
-        result = subprocess.run([sys.executable, "-m", "ladder", "bench", "serve", "--url", url, "--label", label,
+def measure(label: str, server: StartedServer, args: argparse.Namespace, round_: int) -> None:
+    with server:
+        result = subprocess.run([sys.executable, "-m", "ladder", "bench", "serve", "--url", server.url, "--label", label,
                                  "--request-rates", args.rates, "--num-requests", str(args.num_requests),
                                  "--prompt-len", "128", "--output-len", "64", "--max-concurrency", str(SLOTS),
                                  "--seed", str(round_), "--out", str(OUT / "peer.jsonl")], text=True)
         if result.returncode != 0:
             raise SystemExit(f"bench serve against {label} failed")
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def summary() -> None:
@@ -116,10 +81,12 @@ def main() -> None:
     (OUT / "peer.jsonl").unlink(missing_ok=True)
     for round_ in range(args.rounds):
         port = free_port()
-        measure("llama.cpp llama-server (Q4_1)", llama_cpp_command(args.llama_server, port), port, args, round_)
+        label = "llama.cpp llama-server (Q4_1)"
+        measure(label, StartedServer(llama_cpp_command(args.llama_server, port), port, label), args, round_)
         for extra in args.ladder_args:
-            port = free_port()
-            measure(f"ladder serve (fp32{', ' + extra if extra else ''})", ladder_command(extra, port), port, args, round_)
+            serve = f"--model {MODEL} --max-batch {SLOTS} --max-model-len {CONTEXT} {extra}"
+            measure(f"ladder serve (fp32{', ' + extra if extra else ''})", StartedServer.ladder(serve, free_port()),
+                    args, round_)
     summary()
 
 

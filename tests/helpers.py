@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ladder.bench.serve_load import free_port
 from ladder.config import ModelConfig, get_preset
 from ladder.comm.base import Communicator, Handle, LocalCommunicator
 from ladder.comm.distributed import init_distributed, shutdown_distributed
@@ -20,13 +20,6 @@ from ladder.model import Transformer
 from ladder.weights import random_model
 
 CPU = torch.device("cpu")
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

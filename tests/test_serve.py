@@ -22,7 +22,7 @@ from ladder.config import get_preset
 from ladder.engine import Engine
 from ladder.weights import random_model
 
-from helpers import free_port
+from helpers import free_port, ladder_cli
 
 openai = pytest.importorskip("openai")
 
@@ -208,8 +208,7 @@ def test_a_full_queue_answers_503_with_retry_after(slow):
 
 def bench_serve(tmp_path: Path, *args: str) -> list[dict]:
     out = tmp_path / "load.jsonl"
-    result = subprocess.run([sys.executable, "-m", "ladder", "bench", "serve", *args, "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    result = ladder_cli("bench", "serve", *args, "--out", str(out), timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -253,8 +252,7 @@ def test_bench_serve_starts_its_own_server_and_plots_latency_against_load(tmp_pa
 def test_bad_server_options_are_one_line_and_nonzero(args, message):
     if args == ["--cuda-graph"] and torch.cuda.is_available():
         pytest.skip("the machine has CUDA")
-    out = subprocess.run([sys.executable, "-m", "ladder", "serve", "--preset", "tiny", *args], capture_output=True,
-                         text=True, timeout=60)
+    out = ladder_cli("serve", "--preset", "tiny", *args, timeout=60)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
 

@@ -90,12 +90,10 @@ class Engine:
         self.device = model.output.weight.device
         self.step = step
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._decode_step
-        if step.captures_cuda_graph and self.device.type != "cuda":
-            raise LadderError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
+        if step.captures_cuda_graph:
+            self._decode = CudaGraphStep(self._decode_step, model)  # (first: it refuses a model off CUDA)
         if step.compiles_layers:
             model.compile_layers()
-        if step.captures_cuda_graph:
-            self._decode = CudaGraphStep(self._decode_step, model)
         if step.compiles_step:
             self._decode = compile_step(self._decode_step, self.device)
 
@@ -159,6 +157,9 @@ class CudaGraphStep:
     cache changes."""
 
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: Transformer) -> None:
+        device = model.output.weight.device
+        if device.type != "cuda":
+            raise LadderError(f"CUDA graphs need a CUDA device; the model is on {device}")
         self.step, self.model = step, model
         self.key: tuple | None = None
         self.graph: torch.cuda.CUDAGraph | None = None

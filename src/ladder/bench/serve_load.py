@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import random
 import shlex
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -159,20 +161,35 @@ def summarise(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     return out
 
 
-class StartedServer:
-    """`ladder serve ARGS` on a free port for the length of a `with` block."""
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, args: str, port: int, startup_s: float = 600) -> None:
-        self.args, self.port, self.startup_s = shlex.split(args), port, startup_s
+
+class StartedServer:
+    """A server process for the length of a `with` block, ready once its /health says 200: `ladder serve`
+    (`StartedServer.ladder`) or any other OpenAI-compatible server's `command` listening on `port`."""
+
+    def __init__(self, command: list[str], port: int, name: str, startup_s: float = 600) -> None:
+        self.command, self.name, self.startup_s = command, name, startup_s
         self.url = f"http://127.0.0.1:{port}"
 
+    @classmethod
+    def ladder(cls, args: str, port: int) -> StartedServer:
+        """`ladder serve ARGS --port PORT`."""
+        return cls([sys.executable, "-m", "ladder", "serve", *shlex.split(args), "--port", str(port)], port,
+                   f"ladder serve {args}")
+
     def __enter__(self) -> StartedServer:
-        self.proc = subprocess.Popen([sys.executable, "-m", "ladder", "serve", *self.args, "--port", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = tempfile.TemporaryFile(mode="w+")  # (a pipe nobody reads would stall a talkative server)
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise LadderError(f"ladder serve {' '.join(self.args)} exited: {self.proc.stderr.read().strip()}")
+                self.log.seek(0)
+                raise LadderError(f"{self.name} exited: {self.log.read().strip()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as response:
                     if response.status == 200:
@@ -180,8 +197,8 @@ class StartedServer:
             except OSError:  # refused while starting, or 503 (HTTPError) while loading
                 pass
             time.sleep(0.25)
-        self.proc.kill()
-        raise LadderError(f"ladder serve {' '.join(self.args)} was not healthy after {self.startup_s:.0f} s")
+        self.__exit__()
+        raise LadderError(f"{self.name} was not healthy after {self.startup_s:.0f} s")
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()
@@ -189,3 +206,4 @@ class StartedServer:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()

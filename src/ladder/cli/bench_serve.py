@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 
 from ladder.bench.records import append_jsonl, environment
-from ladder.bench.serve_load import LoadSpec, StartedServer, run_load
+from ladder.bench.serve_load import LoadSpec, StartedServer, free_port, run_load
 from ladder.cli.common import parse_list
 from ladder.comm.distributed import say
 from ladder.errors import LadderError
@@ -33,7 +32,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     say(f"{'rate':>6} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} {'ITL mean':>9} {'p50':>6} {'p99':>6} "
         f"{'E2E p50':>8}  (ms)")
     if args.serve is not None:
-        with StartedServer(args.serve, _free_port()) as server:
+        with StartedServer.ladder(args.serve, free_port()) as server:
             _run_rates(server.url, rates, args, label, out)
     else:
         _run_rates(args.url, rates, args, label, out)
@@ -59,12 +58,6 @@ def _run_rates(url: str, rates: list[float], args: argparse.Namespace, label: st
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plot_latency_vs_load(records: list[dict[str, Any]], path: Path) -> None:

@@ -16,7 +16,6 @@ power of two and reads the cache up to a power-of-two multiple of KV_BLOCK, and 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,6 @@ import torch.distributed as dist
 
 from ladder.decode_step import DecodeStep
 from ladder.engine import CudaGraphStep, compile_step, eager_if
-from ladder.errors import LadderError
 from ladder.model import Transformer
 
 KV_BLOCK = 64  # attention reads the cache up to the longest sequence, rounded up: few distinct shapes
@@ -130,19 +128,10 @@ class FixedShapeDecode:
     """
 
     def __init__(self, model: Transformer, step: DecodeStep, max_batch: int, max_model_len: int) -> None:
-        self.model, self.step = model, step
         self.device = model.output.weight.device
         self.scratch_position = max_model_len - 1
         self.batch_sizes = powers_of_two_up_to(1, max_batch)
         self.kv_lens = powers_of_two_up_to(min(KV_BLOCK, max_model_len), max_model_len)
-        if step.captures_cuda_graph and self.device.type != "cuda":
-            raise LadderError(f"--cuda-graph needs a CUDA device; the model is on {self.device}")
-        if step.compiles_layers:
-            model.compile_layers()
-        # torch.compile specialises on each shape, and a fullgraph compile fails past its recompile limit (8).
-        shapes = len(self.batch_sizes) * len(self.kv_lens)
-        self.compiling = (functools.partial(torch._dynamo.config.patch, recompile_limit=max(shapes, 8))
-                          if step.compiles_step or step.compiles_layers else contextlib.nullcontext)
         forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, model)
         if step.compiles_step:
             forward = compile_step(forward, self.device)
@@ -151,6 +140,8 @@ class FixedShapeDecode:
             for kv_len in self.kv_lens:
                 at_shape = functools.partial(forward, kv_len=kv_len)
                 self.forwards[batch, kv_len] = CudaGraphStep(at_shape, model) if step.captures_cuda_graph else at_shape
+        if step.compiles_layers:
+            model.compile_layers()
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -158,9 +149,12 @@ class FixedShapeDecode:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run every shape once, every row a padding row: compiles or captures each, writes only scratch."""
-        for batch, kv_len in self.forwards:
-            self._run([0] * batch, [self.scratch_position] * batch, kv_len)
+        """Run every shape once, every row a padding row: compiles or captures each, writes only scratch.
+        Call it before the first step: the steps after it compile nothing."""
+        # torch.compile specialises on each shape, and a fullgraph compile fails past its recompile limit (8).
+        with torch._dynamo.config.patch(recompile_limit=max(len(self.forwards), 8)):
+            for batch, kv_len in self.forwards:
+                self._run([0] * batch, [self.scratch_position] * batch, kv_len)
 
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Logits (D, V) of the D running requests."""
@@ -173,5 +167,4 @@ class FixedShapeDecode:
     def _run(self, tokens: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
         token_column = torch.tensor(tokens, device=self.device)[:, None]  # (B, 1)
         position_column = torch.tensor(positions, device=self.device)[:, None]
-        with self.compiling():
-            return self.forwards[len(tokens), kv_len](token_column, position_column)
+        return self.forwards[len(tokens), kv_len](token_column, position_column)
