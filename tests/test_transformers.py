@@ -11,6 +11,7 @@ import torch
 
 from ladder.checkpoint.hf import save_hf
 from ladder.checkpoint.hf_config import REMOTE_CODE_FILES
+from ladder.checkpoint.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.config import get_preset
 from ladder.engine import Engine
@@ -263,3 +264,24 @@ def test_a_left_padded_batch_generates_what_each_prompt_generates_alone(tmp_path
     with torch.no_grad():
         attentions = model(torch.tensor([long]), output_attentions=True).attentions
     assert len(attentions) == 4 and attentions[0].shape == (1, 4, 6, 6)  # (batch, heads, query, key) per layer
+
+
+def test_a_chat_template_transformers_saved_in_its_own_file_is_read_and_written_where_transformers_reads_it(
+        folders, tmp_path):
+    """transformers 5 saves a tokenizer's chat template in chat_template.jinja, not in tokenizer_config.json.
+    ladder reads it there (`generate --chat` renders it), and a converted folder keeps it where transformers
+    and vLLM read it."""
+    saved = tmp_path / "saved-by-transformers"
+    hf_model(folders["standard"]).save_pretrained(saved)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folders["standard"]))
+    tokenizer.save_pretrained(saved)
+    assert (saved / CHAT_TEMPLATE_FILE).is_file()
+    assert not json.loads((saved / "tokenizer_config.json").read_text()).get("chat_template")
+    question = [{"role": "user", "content": QUESTION}]
+    expected = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=False)
+    assert TextTokenizer.from_hf_folder(saved).render_chat(question) == expected
+
+    loaded = ModelSpec(model=str(saved), layout="ladder", ladder_layers=8, dtype="float32").load(LocalCommunicator(), CPU)
+    converted = save_hf(tmp_path / "converted", loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
+    again = transformers.AutoTokenizer.from_pretrained(str(converted))
+    assert again.apply_chat_template(question, add_generation_prompt=True, tokenize=False) == expected

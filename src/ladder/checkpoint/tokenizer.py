@@ -22,6 +22,30 @@ GGUF_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bp
                    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT}
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a tokenizer's chat template
+
+
+def read_chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """A Hugging Face folder's chat template, from every place transformers keeps one, in the order it
+    reads them: chat_template.jinja (transformers >= 4.43 saves it there, 5 only there), the
+    tokenizer_config.json entry (a string, or named templates of which "default" is used), and a
+    processor's chat_template.json."""
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        return (folder / CHAT_TEMPLATE_FILE).read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template:
+        return str(template)
+    if (folder / "chat_template.json").is_file():
+        try:
+            return json.loads((folder / "chat_template.json").read_text()).get("chat_template") or None
+        except (json.JSONDecodeError, AttributeError):
+            raise LadderError(f"{folder / 'chat_template.json'} is not a chat template file") from None
+    return None
+
+
 class TextTokenizer:
     """A `tokenizers.Tokenizer` plus what generation needs: BOS/EOS, and the chat template."""
 
@@ -98,14 +122,18 @@ class TextTokenizer:
             return value.get("content") if isinstance(value, dict) else value
 
         return cls(tok, name(config.get("bos_token")), name(config.get("eos_token")),
-                   bool(config.get("add_bos_token", False)), config.get("chat_template"))
+                   bool(config.get("add_bos_token", False)), read_chat_template(folder, config))
 
     def save_hf(self, folder: Path) -> None:
+        """tokenizer.json, tokenizer_config.json, and the chat template where transformers 5 writes it
+        (chat_template.jinja) and where older readers look (tokenizer_config.json)."""
         self.tokenizer.save(str(folder / "tokenizer.json"))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
                   "eos_token": self.eos_token, "add_bos_token": self.add_bos, "chat_template": self.chat_template,
                   "clean_up_tokenization_spaces": False}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.chat_template:
+            (folder / CHAT_TEMPLATE_FILE).write_text(self.chat_template)
 
     # ---- use ----------------------------------------------------------------------------------
 

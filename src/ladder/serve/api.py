@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.engine import SamplingParams
@@ -52,7 +52,6 @@ class ApiError(Exception):
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-    from fastapi.sse import EventSourceResponse
 
 
 def create_app(state: ServerState) -> "FastAPI":
@@ -223,17 +222,21 @@ async def _collect(outputs: AsyncIterator[Output]) -> tuple[str, Output]:
     return "".join(parts), last
 
 
-def _stream(events: AsyncIterator[BaseModel]) -> "EventSourceResponse":
-    from fastapi.sse import EventSourceResponse, format_sse_event  # (fastapi: see create_app)
-
-    async def encoded() -> AsyncIterator[bytes]:
+def _stream(events: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Server-sent events as OpenAI (and vLLM) send them: `data: <json>` per chunk, then `data: [DONE]`."""
+    async def encoded() -> AsyncIterator[str]:
         try:
             async for event in events:
-                yield format_sse_event(data_str=event.model_dump_json(exclude_none=False))
+                yield _sse(event.model_dump_json(exclude_none=False))
         except ApiError as exc:  # the engine failed mid-stream: say so in the stream, as vLLM does
-            yield format_sse_event(data_str=exc.response().body.decode())
-        yield format_sse_event(data_str="[DONE]")
-    return EventSourceResponse(encoded())
+            yield _sse(exc.response().body.decode())
+        yield _sse("[DONE]")
+    return StreamingResponse(encoded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
 
 
 async def _completion_chunks(state: ServerState, body: CompletionRequest,

