@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.layers import linear as vllm_linear
 from vllm.model_executor.models import llama as vllm_llama
 from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.utils import (AutoWeightsLoader, PPMissingLayer, make_layers, maybe_prefix)
@@ -46,8 +47,9 @@ logger = init_logger("vllm.ladder")  # under vLLM's logger, so its handlers prin
 def emulated_tensor_parallel(world_size: int) -> Iterator[None]:
     """Build vLLM's parallel layers as rank 0 of `world_size` ranks inside a one-rank vLLM: the layers
     read the TP degree from these two functions when they are built, and shard their weights by it."""
-    targets = [vllm_llama, __import__("vllm.model_executor.layers.linear", fromlist=["_"])]
-    saved = [(m, m.get_tensor_model_parallel_world_size, m.get_tensor_model_parallel_rank) for m in targets]
+    targets = [vllm_llama, vllm_linear]
+    saved = [(m, vars(m).get("get_tensor_model_parallel_world_size"), vars(m).get("get_tensor_model_parallel_rank"))
+             for m in targets]
     for module in targets:
         module.get_tensor_model_parallel_world_size = lambda: world_size
         module.get_tensor_model_parallel_rank = lambda: 0
@@ -55,7 +57,11 @@ def emulated_tensor_parallel(world_size: int) -> Iterator[None]:
         yield
     finally:
         for module, size, rank in saved:
-            module.get_tensor_model_parallel_world_size, module.get_tensor_model_parallel_rank = size, rank
+            for name, original in (("get_tensor_model_parallel_world_size", size), ("get_tensor_model_parallel_rank", rank)):
+                if original is None:
+                    delattr(module, name)
+                else:
+                    setattr(module, name, original)
 
 
 def communicator(vllm_config: VllmConfig) -> tuple[Communicator, int | None]:
