@@ -36,7 +36,10 @@ SMOLLM_LAYOUTS = {"standard": ("standard", None), "hybrid-8": ("ladder", 8), "la
 NEW_TOKENS = 12
 
 
-def run_vllm(folders: list[Path], tp: int, prompt_ids: list[int], **settings: object) -> dict[str, dict]:
+def run_vllm(folders: list[Path], tp: int, prompt_ids: list[int] | dict[Path, list[int]],
+             **settings: object) -> dict[str, dict]:
+    if isinstance(prompt_ids, dict):
+        prompt_ids = {str(folder): ids for folder, ids in prompt_ids.items()}
     settings = {"folders": [str(f) for f in folders], "tp": tp, "prompt_ids": prompt_ids, "max_tokens": NEW_TOKENS,
                 **settings}
     done = subprocess.run([sys.executable, str(RUNNER), json.dumps(settings)], capture_output=True, text=True,
@@ -67,28 +70,44 @@ def smollm2(tmp_path_factory):
     return folders, prompt, expected
 
 
+def tiny_folder(root: Path, layout: str) -> Path:
+    """A tiny random model (head_dim 64: vLLM's CPU attention has kernels for 32, 64, 80... only)."""
+    model = random_model(get_preset("tiny", layout=layout, dim=256, n_heads=4, n_kv_heads=2), LocalCommunicator(), CPU)
+    return save_hf(root / f"tiny-{layout}", model.config, export_hf_state_dict(model), TextTokenizer.bytes())
+
+
+TINY_PROMPT = [72, 101, 108, 108, 111]
+
+
 @pytest.fixture(scope="module")
 def at_tp1(smollm2, tmp_path_factory):
-    folders, prompt, _ = smollm2
-    desync = tmp_path_factory.mktemp("desync")
+    """SmolLM2's three folders, a tiny parallel-layout model (a checkpoint trained with two norms a layer
+    cannot become parallel) and a desync folder, in one process."""
+    folders, prompt, expected = smollm2
+    root = tmp_path_factory.mktemp("tp1")
     loaded = ModelSpec(model=str(folders["hybrid-8"]), layout="desync", dtype="float32").load(LocalCommunicator(), CPU)
-    save_hf(desync / "desync", loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
-    return run_vllm([*folders.values(), desync / "desync"], 1, prompt, report_model=True)
+    desync = save_hf(root / "desync", loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
+    parallel = tiny_folder(root, "parallel")
+    prompts = {**{folder: prompt for folder in folders.values()}, desync: prompt, parallel: TINY_PROMPT}
+    expected = {**expected, "tiny-parallel": ladder_greedy(parallel, TINY_PROMPT)}
+    return run_vllm(list(prompts), 1, prompts, report_model=True), expected
 
 
-@pytest.mark.parametrize("name", list(SMOLLM_LAYOUTS))
-def test_vllm_greedy_tokens_are_ladders_at_tp1(smollm2, at_tp1, name):
-    _, _, expected = smollm2
-    assert at_tp1[name]["ids"] == expected[name]
+@pytest.mark.parametrize("name", [*SMOLLM_LAYOUTS, "tiny-parallel"])
+def test_vllm_greedy_tokens_are_ladders_at_tp1(at_tp1, name):
+    results, expected = at_tp1
+    assert results[name]["ids"] == expected[name]
 
 
 def test_a_standard_folder_stays_vllms_own_llama_and_a_ladder_folder_is_the_plugins(at_tp1):
-    assert at_tp1["standard"]["model"] == "LlamaForCausalLM"
-    assert at_tp1["hybrid-8"]["model"] == at_tp1["ladder"]["model"] == "LadderLlamaForCausalLM"
+    results, _ = at_tp1
+    assert results["standard"]["model"] == "LlamaForCausalLM"
+    assert {results[name]["model"] for name in ("hybrid-8", "ladder", "tiny-parallel")} == {"LadderLlamaForCausalLM"}
 
 
 def test_a_desync_folder_is_refused_in_one_line(at_tp1):
-    error = at_tp1["desync"]["error"]
+    results, _ = at_tp1
+    error = results["desync"]["error"]
     assert error.startswith("LadderError: ladder's vLLM model does not serve residual_layout 'desync'")
     assert "\n" not in error
 
@@ -121,16 +140,12 @@ def at_tp3(smollm2):
 
 @pytest.fixture(scope="module")
 def tiny_tp2(tmp_path_factory):
-    """A tiny random ladder model (head_dim 64: vLLM's CPU attention has kernels for 32, 64, 80... only) at
-    TP 2, vLLM's compilation mode left at its default (the plugin's model runs eager in any), profiled on
-    every rank."""
+    """A tiny ladder model at TP 2, vLLM's compilation mode left at its default (the plugin's model runs
+    eager in any), profiled on every rank."""
     root = tmp_path_factory.mktemp("tiny")
-    model = random_model(get_preset("tiny", layout="ladder", dim=256, n_heads=4, n_kv_heads=2), LocalCommunicator(), CPU)
-    folder = save_hf(root / "tiny-ladder", model.config, export_hf_state_dict(model), TextTokenizer.bytes())
-    prompt = [72, 101, 108, 108, 111]
-    expected = Engine(model).generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS).tokens[0]
-    result = run_vllm([folder], 2, prompt, eager=False, max_model_len=128, profile_dir=str(root), report_model=True)
-    return result["tiny-ladder"], expected
+    folder = tiny_folder(root, "ladder")
+    result = run_vllm([folder], 2, TINY_PROMPT, eager=False, profile_dir=str(root))
+    return result["tiny-ladder"], ladder_greedy(folder, TINY_PROMPT)
 
 
 def test_vllm_greedy_tokens_are_ladders_at_tp2(tiny_tp2):

@@ -2,6 +2,7 @@
 
     python tests/vllm_runner.py '{"folders": [...], "tp": 1, "prompt_ids": [...], "max_tokens": 12,
                                   "eager": true, "profile_dir": null}'
+    ("prompt_ids" a list for every folder, or {folder: list} for each its own)
 
 One engine per folder, one after another in this process: vLLM's start-up (its imports, its engine
 and workers) is the cost of these tests, so a test module starts this once per TP degree. Prints
@@ -29,6 +30,10 @@ def stop_profile(worker, directory: str) -> str:
     return str(path)
 
 
+def context_of(folder: str) -> int:
+    return json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
+
+
 def model_class(worker) -> str:
     return type(worker.model_runner.get_model()).__name__
 
@@ -39,13 +44,14 @@ def run(folder: str, settings: dict) -> dict:
 
     try:
         llm = LLM(folder, tensor_parallel_size=settings["tp"], enforce_eager=settings.get("eager", True),
-                  dtype="float32", max_model_len=settings.get("max_model_len", 256), max_num_seqs=4, gpu_memory_utilization=0.1,
+                  dtype="float32", max_model_len=min(256, context_of(folder)), max_num_seqs=4, gpu_memory_utilization=0.1,
                   skip_tokenizer_init=settings.get("skip_tokenizer_init", False), seed=0,
                   **settings.get("llm_args", {}))
     except Exception as exc:  # what a user of vLLM's Python API sees: the exception's message
         return {"error": f"{type(exc).__name__}: {exc}"}
     greedy = SamplingParams(temperature=0, max_tokens=settings["max_tokens"], ignore_eos=True)
-    prompt = TokensPrompt(prompt_token_ids=settings["prompt_ids"])
+    ids = settings["prompt_ids"]
+    prompt = TokensPrompt(prompt_token_ids=ids[folder] if isinstance(ids, dict) else ids)
     llm.generate([prompt], greedy, use_tqdm=False)  # warm-up (and a compiled graph's first run)
     traces = None
     if settings.get("profile_dir"):
