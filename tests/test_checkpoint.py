@@ -255,8 +255,10 @@ def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
     ours = TextTokenizer.from_gguf(gguf.GGUFReader(str(tmp_path / "spm.gguf")), "spm.gguf")
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
     for text in TRICKY + PROMPTS:
-        ids = ours.encode(text)
-        assert ids == theirs.encode(text), text  # both add <s>, as llama.cpp does for these vocabularies
+        ids, expected = ours.encode(text), theirs.encode(text)
+        if expected[:1] != [1]:  # transformers < 5.24 adds no <s> here; 5.24 does, as llama.cpp does
+            expected = [1, *expected]
+        assert ids == expected, text
         assert ours.decode(ids, skip_special=False) == theirs.decode(ids)
     assert len(ours.encode("déjà vu 🙂", add_bos=False)) > 4  # characters outside the vocabulary: byte tokens
     assert ours.decode(ours.encode("déjà vu 🙂")) == "déjà vu 🙂"

@@ -48,7 +48,8 @@ def wait_until_healthy(url: str, processes: list[subprocess.Popen], timeout_s: f
 class Server:
     """`ladder serve ARGS` on a free port, ready when /health says 200."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180,
+                 api_key: str = "none") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.marker = uuid.uuid4().hex  # finds this server's worker processes
@@ -60,7 +61,7 @@ class Server:
         except AssertionError:
             self.stop()
             raise
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
         self.model = self.client.models.list().data[0].id
 
     def stop(self, timeout: float = 60) -> int:
@@ -164,8 +165,34 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(smollm):
     with pytest.raises(openai.BadRequestError, match="text content parts"):
         smollm.client.chat.completions.create(model=smollm.model, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    for route, body in (("completions", '"prompt": "a \\ud800 b"'),
+                        ("chat/completions", '"messages": [{"role": "user", "content": "\\udfff"}]')):
+        raw = httpx.post(f"{smollm.url}/v1/{route}", headers={"content-type": "application/json"},
+                         content=f'{{"model": "{smollm.model}", {body}, "max_tokens": 2}}'.encode())
+        assert raw.status_code == 400 and "not valid Unicode" in raw.json()["error"]["message"], raw.text
     assert complete(smollm).choices[0].text  # still serving
     assert httpx.get(smollm.url + "/health").status_code == 200
+
+
+def test_an_api_key_guards_v1_in_openais_error_format_and_is_never_shown():
+    key = "sk-" + uuid.uuid4().hex
+    server = Server("--preset", "tiny", "--max-model-len", "64", env={"LADDER_API_KEY": key}, api_key=key)
+    try:
+        assert httpx.get(server.url + "/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            refused = httpx.post(server.url + "/v1/completions", headers=headers, json={"prompt": [1], "max_tokens": 2})
+            assert refused.status_code == 401
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+            assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+        answer = server.client.completions.create(model=server.model, prompt=[1, 2], max_tokens=3)
+        assert answer.usage.completion_tokens == 3
+        assert key not in httpx.get(server.url + "/metrics").text
+    finally:
+        assert server.stop() == 0
+    logs = server.proc.stdout.read() + server.proc.stderr.read()
+    assert logs and key not in logs
 
 
 def test_metrics_count_requests_tokens_and_latencies(smollm):

@@ -124,27 +124,21 @@ def test_vllms_server_refuses_a_desync_folder_in_one_line_without_a_traceback(sm
         "ladder: ladder's vLLM model does not serve residual_layout 'desync'")
 
 
-@pytest.mark.parametrize("name", ["hybrid-8", "ladder"])
-def test_vllm_greedy_tokens_are_ladders_at_tp3(smollm2, at_tp3, name):
-    _, _, expected = smollm2
-    assert at_tp3[name]["ids"] == expected[name]
-
-
-@pytest.fixture(scope="module")
-def at_tp3(smollm2):
-    """SmolLM2's 9 heads and 3 KV heads at TP 3 (its only degree above 1 on this machine). The standard
-    folder is vLLM's own Llama, left out here: the plugin's layouts are the ones under test."""
-    folders, prompt, _ = smollm2
-    return run_vllm([folders["hybrid-8"], folders["ladder"]], 3, prompt)
+def test_vllm_greedy_tokens_are_ladders_at_tp3(smollm2):
+    """SmolLM2's 9 heads and 3 KV heads at TP 3 (its only degree above 1 on this machine), the hybrid: its
+    tokens differ from standard's, where the unadapted fully-ladder model repeats one token (it runs at
+    TP 3 in docs/vllm.md's check; here each engine at TP 3 costs a minute of the suite's 20). The standard
+    folder is vLLM's own Llama."""
+    folders, prompt, expected = smollm2
+    assert run_vllm([folders["hybrid-8"]], 3, prompt)["hybrid-8"]["ids"] == expected["hybrid-8"]
 
 
 @pytest.fixture(scope="module")
 def tiny_tp2(tmp_path_factory):
-    """A tiny ladder model at TP 2, vLLM's compilation mode left at its default (the plugin's model runs
-    eager in any), profiled on every rank."""
+    """A tiny ladder model at TP 2, profiled on every rank."""
     root = tmp_path_factory.mktemp("tiny")
     folder = tiny_folder(root, "ladder")
-    result = run_vllm([folder], 2, TINY_PROMPT, eager=False, profile_dir=str(root))
+    result = run_vllm([folder], 2, TINY_PROMPT, profile_dir=str(root))
     return result["tiny-ladder"], ladder_greedy(folder, TINY_PROMPT)
 
 

@@ -8,10 +8,11 @@ within a head, so slicing whole heads before or after it gives the same rows.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
 
@@ -33,6 +34,23 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
+
+
+def _gguf() -> ModuleType:
+    """The gguf package, imported when a GGUF file is read, not with ladder. Where mistral_common is
+    installed (vLLM brings it) gguf imports it for Mistral's own tokenizer files, which ladder does not
+    read: 0.9 s of every start-up. gguf imports it optionally, so it is hidden while gguf is imported."""
+    if "gguf" in sys.modules:
+        return sys.modules["gguf"]
+    hide = "mistral_common" not in sys.modules
+    if hide:
+        sys.modules["mistral_common"] = None  # type: ignore[assignment]  (an import of it raises ImportError)
+    try:
+        import gguf
+    finally:
+        if hide:
+            del sys.modules["mistral_common"]
+    return gguf
 
 def _hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GGUF_NAMES:
@@ -57,7 +75,7 @@ class GGUFSource:
     def __init__(self, path: Path, reader: Any, config: ModelConfig) -> None:
         self.path, self.config = path, config
         self.tensors = {}
-        supported = {gguf.GGMLQuantizationType[n] for n in SUPPORTED_GGML_TYPES}
+        supported = {_gguf().GGMLQuantizationType[n] for n in SUPPORTED_GGML_TYPES}
         for t in reader.tensors:
             name = _hf_name(t.name)
             if name is None:
@@ -80,7 +98,7 @@ class GGUFSource:
         # Quantisation blocks run along a row, so whole rows can be taken before dequantising.
         raw = data[rows] if data.ndim == 2 else data
         try:
-            values = gguf.quants.dequantize(np.ascontiguousarray(raw), t.tensor_type)
+            values = _gguf().quants.dequantize(np.ascontiguousarray(raw), t.tensor_type)
         except (ValueError, NotImplementedError) as exc:
             raise LadderError(f"{self.path.name}: cannot dequantise {t.name}: {exc}") from None
         tensor = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy of the mapped data
@@ -103,7 +121,7 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def open_gguf(path: Path) -> Checkpoint:
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _gguf().GGUFReader(path)
     except Exception as exc:  # the reader raises many types on truncated or corrupted files
         raise LadderError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     arch = _field(reader, "general.architecture")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from ladder.comm.launch import launch
 from ladder.comm.links import link_presets
 from ladder.errors import LadderError, Stopped
 from ladder.serve.worker import ServeSettings, serve_on_rank
+
+API_KEY_VARIABLE = "LADDER_API_KEY"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -31,7 +34,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise LadderError("--cuda-graph needs a CUDA device (use --compile or --compile-layers on the CPU)")
     name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
     settings = ServeSettings(spec, name, args.host, args.port, args.max_batch, args.max_model_len, args.max_waiting,
-                             args.prefill_chunk, args.shutdown_timeout, args.interconnect, args.link_scale, step)
+                             args.prefill_chunk, args.shutdown_timeout, args.interconnect, args.link_scale, step,
+                             api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None)
     emulated = args.interconnect is not None
     try:
         launch(serve_on_rank, 1 if emulated else spec.tp, settings, device=spec.device, workers_catch_interrupt=True)
@@ -47,6 +51,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open; "
+                   f"default: ${API_KEY_VARIABLE}, else none)")
     g.add_argument("--served-model-name", help="the model's name in the API (default: the folder, file or preset name)")
     g.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
     g.add_argument("--max-model-len", type=int, help="context per request (default: the model's max_seq_len)")

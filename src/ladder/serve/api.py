@@ -7,9 +7,10 @@ goes away, streaming or not, cancels its request, which frees its KV-cache row a
 """
 
 import asyncio
+import hmac
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -36,6 +37,7 @@ class ServerState:
     vocab_size: int = 0
     tokenizer: TextTokenizer | None = None
     scheduler: Scheduler | None = None  # set once the model is loaded
+    api_key: str | None = field(default=None, repr=False)  # required on /v1/* when set (as vLLM's --api-key)
 
 
 class ApiError(Exception):
@@ -64,6 +66,14 @@ def create_app(state: ServerState) -> "FastAPI":
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    if state.api_key is not None:
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next: Any) -> Response:
+            if request.url.path.startswith("/v1") and not _authorized(request, state.api_key):
+                return ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                                code="invalid_api_key").response()
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -109,7 +119,25 @@ def create_app(state: ServerState) -> "FastAPI":
     return app
 
 
+def _authorized(request: Request, api_key: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # compared in constant time, as bytes (a header may hold any character)
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+
+
 # ---- requests into token ids and parameters ---------------------------------------------------------
+
+def _encode(state: ServerState, text: str, param: str, add_bos: bool | None = None) -> list[int]:
+    """Text into token ids; text that is not valid Unicode (JSON can carry a lone surrogate, "\\ud800",
+    which no UTF-8 encodes) is the client's error."""
+    assert state.tokenizer is not None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"the text is not valid Unicode ({exc.reason} at character {exc.start})",
+                       param=param) from None
+    return state.tokenizer.encode(text, add_bos=add_bos)
+
 
 def _check_model(state: ServerState, body: SamplingFields) -> None:
     if body.model != state.model_name:
@@ -131,7 +159,7 @@ def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        ids = state.tokenizer.encode(prompt)
+        ids = _encode(state, prompt, "prompt")
     else:
         ids = list(prompt)
         if bad := [t for t in ids if not 0 <= t < state.vocab_size]:
@@ -148,7 +176,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
         text = state.tokenizer.render_chat(messages)
     except Exception as exc:  # noqa: BLE001 (a template's own raise_exception, or a bad part: the client's error)
         raise ApiError(400, f"the messages do not fit the chat template: {exc}", param="messages") from None
-    return _check_length(state, state.tokenizer.encode(text, add_bos=False))
+    return _check_length(state, _encode(state, text, "messages", add_bos=False))
 
 
 def _check_length(state: ServerState, ids: list[int]) -> list[int]:

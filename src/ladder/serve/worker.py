@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import uvicorn
@@ -51,6 +51,7 @@ class ServeSettings:
     interconnect: str | None = None  # an emulated link: one process, rank 0's shard
     link_scale: float = 1.0
     decode_step: DecodeStep = DecodeStep.EAGER  # compiled or CUDA-graphed: fixed shapes, made at start-up
+    api_key: str | None = field(default=None, repr=False)  # required on /v1/* when set; never printed
 
 
 def serve_on_rank(settings: ServeSettings) -> None:
@@ -115,7 +116,8 @@ def _follow(settings: ServeSettings, ctx: DistContext) -> None:
 
 
 def _serve(settings: ServeSettings, ctx: DistContext | None) -> None:
-    state = ServerState(settings.name, settings.max_model_len or 0, ServerMetrics(settings.name))
+    state = ServerState(settings.name, settings.max_model_len or 0, ServerMetrics(settings.name),
+                        api_key=settings.api_key)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_level="warning",
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s))
     server = uvicorn.Server(config)

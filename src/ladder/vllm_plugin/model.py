@@ -24,10 +24,10 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, get_tp_group
 from vllm.logger import init_logger
+from vllm.model_executor.layers import linear as vllm_linear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.layers import linear as vllm_linear
 from vllm.model_executor.models import llama as vllm_llama
 from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.utils import (AutoWeightsLoader, PPMissingLayer, make_layers, maybe_prefix)
@@ -42,6 +42,7 @@ from ladder.remote_code.configuration_ladder_llama import LadderLlamaConfig
 from ladder.vllm_plugin.config import check_layout, layout_of
 
 logger = init_logger("vllm.ladder")  # under vLLM's logger, so its handlers print it
+
 
 @contextlib.contextmanager
 def emulated_tensor_parallel(world_size: int) -> Iterator[None]:
@@ -72,15 +73,15 @@ def communicator(vllm_config: VllmConfig) -> tuple[Communicator, int | None]:
     if unknown:
         raise LadderError(f"unknown ladder setting(s) in --additional-config: {', '.join(sorted(unknown))}; "
                           "known: interconnect, tp, link_scale")
-    if settings.get("interconnect"):
+    link = get_link(str(settings.get("interconnect", "real")))  # None: "real", vLLM's own TP group
+    if link is not None:
         tp = int(settings.get("tp", 0))
         if get_tensor_model_parallel_world_size() != 1 or tp < 2:
             raise LadderError("an emulated interconnect runs in a one-rank vLLM (tensor_parallel_size 1) and "
                               f"needs the emulated degree as \"tp\" >= 2 (got tensor_parallel_size "
                               f"{get_tensor_model_parallel_world_size()}, tp {settings.get('tp')})")
-        device = vllm_config.device_config.device
-        link = get_link(str(settings["interconnect"]))
-        return EmulatedCommunicator(link, tp, torch.device(device), float(settings.get("link_scale", 1.0))), tp
+        device = torch.device(vllm_config.device_config.device)
+        return EmulatedCommunicator(link, tp, device, float(settings.get("link_scale", 1.0))), tp
     if get_tensor_model_parallel_world_size() == 1:
         return LocalCommunicator(), None
     return TorchCommunicator(get_tp_group().device_group), None
