@@ -68,12 +68,7 @@ def create_app(state: ServerState) -> "FastAPI":
         return exc.response()
 
     if state.api_key is not None:
-        @app.middleware("http")
-        async def require_api_key(request: Request, call_next: Any) -> Response:
-            if request.url.path.startswith("/v1") and not _authorized(request, state.api_key):
-                return ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                                code="invalid_api_key").response()
-            return await call_next(request)
+        _require_api_key(app, state.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -117,6 +112,17 @@ def create_app(state: ServerState) -> "FastAPI":
                               choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason)])
 
     return app
+
+
+def _require_api_key(app: "FastAPI", api_key: str) -> None:
+    """/v1/* answers 401 without `Authorization: Bearer <api_key>`, as vLLM's --api-key; /health and
+    /metrics stay open."""
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next: Any) -> Response:
+        if request.url.path.startswith("/v1") and not _authorized(request, api_key):
+            return ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                            code="invalid_api_key").response()
+        return await call_next(request)
 
 
 def _authorized(request: Request, api_key: str) -> bool:
