@@ -59,7 +59,7 @@ def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct as `ladder convert` writes it in three layouts, a prompt, and ladder's greedy
     tokens for each (the question asked of vLLM)."""
     root = tmp_path_factory.mktemp("smollm2")
-    folders, expected = {}, {}
+    folders = {}
     for name, (layout, n) in SMOLLM_LAYOUTS.items():
         loaded = ModelSpec(model="smollm2-135m-instruct", layout=layout, ladder_layers=n, dtype="float32").load(
             LocalCommunicator(), CPU)

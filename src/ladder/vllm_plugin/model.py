@@ -160,15 +160,15 @@ class LadderLlamaModel(nn.Module):
             r = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)  # (T, dim)
         else:
             assert intermediate_tensors is not None
-            # the previous stage's newest output, reduced and not yet added (zeros in the layouts that add
-            # every output at once): the first module here reads the stream the layout says it reads
             r = intermediate_tensors["hidden_states"]
+            # the previous stage's newest output, reduced and not yet added: the first module here reads the
+            # stream the layout says it reads (parallel and upper bound add every output at once: zeros)
             pending.append(Done(intermediate_tensors["pending"]))
         layers = list(islice(self.layers, self.start_layer, self.end_layer))
-        if self.layout in ("parallel", "upper-bound"):
-            r = r + pending.pop().wait() if pending else r
-            run_layers = self._parallel_layers if self.layout == "parallel" else self._unreduced_layers
-            r = run_layers(r, positions, layers)
+        if self.layout == "parallel":
+            r = self._parallel_layers(r, positions, layers)
+        elif self.layout == "upper-bound":
+            r = self._unreduced_layers(r, positions, layers)
         else:
             r, pending = self._ladder_layers(r, positions, layers, pending)
         if not get_pp_group().is_last_rank:
