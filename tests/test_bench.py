@@ -699,7 +699,8 @@ def test_generations_in_turns_keep_their_own_caches_samples_and_clocks(one_intra
     random streams), and each result times its own steps only: upper bound's decode time excludes
     the 5 ms waits of standard's all-reduces that ran between its steps (24 of them in all)."""
     from ladder.config import get_preset
-    from ladder.engine import Engine, SamplingParams
+    from ladder.engine import Engine
+    from ladder.sampling import SamplingParams
     from ladder.weights import random_model, share_weights
 
     cpu = torch.device("cpu")
@@ -780,7 +781,8 @@ def test_compiled_decode_waits_at_run_time_and_keeps_the_ladder_overlap(tmp_path
     comes right after the launch, as in standard. The order is read from a profiler trace of the
     ops (timing-free); experiments/investigations/compiled_overlap.py measures what it hides."""
     from ladder.config import get_preset
-    from ladder.engine import Engine, SamplingParams
+    from ladder.engine import Engine
+    from ladder.sampling import SamplingParams
     from ladder.bench.trace import profile_generation
     from ladder.weights import random_model
 

@@ -5,7 +5,8 @@ import torch
 
 from helpers import make_model, tiny
 from ladder.decode_step import DecodeStep
-from ladder.engine import Engine, SamplingParams, sample
+from ladder.engine import Engine
+from ladder.sampling import SamplingBatch, SamplingParams, row_generators, sample
 from ladder.errors import LadderError
 
 PROMPT = torch.tensor([[5, 17, 42, 7], [9, 3, 200, 1]])
@@ -48,11 +49,37 @@ def test_same_seed_same_tokens_other_seed_other_tokens(engine):
     assert a.tokens != c.tokens
 
 
+def sample_all(logits, params, seed=0):
+    """Every row with the same parameters, row i seeded seed + i."""
+    rows, vocab = logits.shape
+    return sample(logits, SamplingBatch.of([params] * rows, row_generators(seed, rows, logits.device), vocab, logits.device))
+
+
+def test_a_seeded_row_samples_the_same_alone_or_beside_other_rows():
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(1.0, top_p=0.9), SamplingParams(), SamplingParams(0.7, top_k=20),
+              SamplingParams(1.3), SamplingParams(2.0, top_k=50, top_p=0.5)]
+    seeds = [11, 0, 5, 9, 2]
+    together = sample(logits, SamplingBatch.of(params, [torch.Generator().manual_seed(s) for s in seeds], 300,
+                                               logits.device))
+    for row, (p, seed) in enumerate(zip(params, seeds)):
+        alone = sample(logits[row:row + 1], SamplingBatch.of([p], [torch.Generator().manual_seed(seed)], 300,
+                                                             logits.device))
+        assert int(alone[0]) == int(together[row])
+    assert int(together[1]) == int(logits[1].argmax())  # the greedy row takes its argmax beside sampled rows
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    tokens = sample_all(probs.log().repeat(6000, 1), SamplingParams(temperature=1.0))
+    frequencies = torch.bincount(tokens, minlength=3) / 6000
+    torch.testing.assert_close(frequencies, probs, atol=0.03, rtol=0)  # 6000 draws: 3 % is > 4 standard errors
+
+
 def test_top_k_never_leaves_the_k_best():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).repeat(500, 1)  # (2000, 50)
     allowed = torch.topk(logits, 5, dim=-1).indices
-    gen = torch.Generator().manual_seed(0)
-    tokens = sample(logits, SamplingParams(temperature=2.0, top_k=5), gen)
+    tokens = sample_all(logits, SamplingParams(temperature=2.0, top_k=5))
     assert bool((allowed == tokens[:, None]).any(-1).all())
     assert len(set(tokens[:4 * 50].tolist())) > 5  # it does sample, not just take the argmax
 
@@ -60,15 +87,15 @@ def test_top_k_never_leaves_the_k_best():
 def test_top_p_keeps_the_smallest_nucleus():
     probs = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05])
     logits = probs.log().repeat(2000, 1)
-    tokens = sample(logits, SamplingParams(temperature=1.0, top_p=0.75), torch.Generator().manual_seed(0))
+    tokens = sample_all(logits, SamplingParams(temperature=1.0, top_p=0.75))
     assert set(tokens.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75: the tail is cut, both heads appear
-    tokens = sample(logits, SamplingParams(temperature=1.0, top_p=0.85), torch.Generator().manual_seed(0))
+    tokens = sample_all(logits, SamplingParams(temperature=1.0, top_p=0.85))
     assert set(tokens.tolist()) == {0, 1, 2}
 
 
 def test_top_k_one_is_greedy():
     logits = torch.randn(16, 30, generator=torch.Generator().manual_seed(1))
-    tokens = sample(logits, SamplingParams(temperature=1.0, top_k=1), torch.Generator().manual_seed(0))
+    tokens = sample_all(logits, SamplingParams(temperature=1.0, top_k=1))
     assert torch.equal(tokens, logits.argmax(-1))
 
 

@@ -16,11 +16,13 @@ import httpx
 import pytest
 import torch
 
-from ladder.bench.serve_load import LoadSpec, draw_requests, load_tokenizer
+from ladder.bench.serve_load import LoadSpec, draw_requests, load_tokenizer, wait_until_healthy
+from ladder.checkpoint.hf import save_hf
 from ladder.comm.base import LocalCommunicator
 from ladder.config import get_preset
 from ladder.engine import Engine
-from ladder.weights import random_model
+from ladder.errors import LadderError
+from ladder.weights import export_hf_state_dict, random_model
 
 from helpers import free_port, ladder_cli
 
@@ -28,21 +30,6 @@ openai = pytest.importorskip("openai")
 
 SMOLLM = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
-
-
-def wait_until_healthy(url: str, processes: list[subprocess.Popen], timeout_s: float) -> None:
-    """Until `url`/health says 200; fails as soon as one of the server's processes has exited."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if ended := [p for p in processes if p.poll() is not None]:
-            raise AssertionError(f"the server exited {ended[0].returncode}: {ended[0].stderr.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not become healthy")
 
 
 class Server:
@@ -58,9 +45,9 @@ class Server:
                                      env={**os.environ, "LADDER_TEST_SERVER": self.marker, **(env or {})})
         try:
             wait_until_healthy(self.url, [self.proc], startup_s)
-        except AssertionError:
+        except LadderError as exc:
             self.stop()
-            raise
+            raise AssertionError(f"{exc}: {self.proc.stderr.read()}") from None
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
         self.model = self.client.models.list().data[0].id
 
@@ -82,7 +69,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def smollm():
-    server = Server("--model", SMOLLM, "--max-batch", "4", "--max-model-len", "512", "--prefill-chunk", "16")
+    server = Server("--model", SMOLLM, "--max-batch", "4", "--max-model-len", "512", "--max-num-batched-tokens", "16")
     yield server
     assert server.stop() == 0
 
@@ -275,6 +262,7 @@ def test_bench_serve_starts_its_own_server_and_plots_latency_against_load(tmp_pa
     (["--compile", "--compile-layers"], "--compile compiles the whole decode step and --compile-layers each layer"),
     (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's max_seq_len 128"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory 'lots': give a fraction of the free memory (0.2) or a size"),
 ])
 def test_bad_server_options_are_one_line_and_nonzero(args, message):
     if args == ["--cuda-graph"] and torch.cuda.is_available():
@@ -282,6 +270,33 @@ def test_bad_server_options_are_one_line_and_nonzero(args, message):
     out = ladder_cli("serve", "--preset", "tiny", *args, timeout=60)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_a_131072_position_model_serves_from_a_kv_budget_and_metrics_show_it(tmp_path):
+    """Llama-3.1's context in the config: the cache holds what the budget holds, not rows x 131072."""
+    config = get_preset("tiny", max_seq_len=131072)
+    folder = save_hf(tmp_path / "long", config, export_hf_state_dict(random_model(config, LocalCommunicator(),
+                                                                                  torch.device("cpu"))), None)
+    server = Server("--model", str(folder), "--kv-cache-memory", "4MiB", "--max-batch", "4")
+    per_position = 2 * config.n_layers * config.n_kv_heads * config.head_dim * 4
+    context = 4 * 2**20 // 4 // per_position // 64 * 64
+    assert server.client.models.list().data[0].max_model_len == context < 131072
+    answer = server.client.completions.create(model=server.model, prompt=[1, 2, 3], max_tokens=5, temperature=0)
+    assert answer.usage.completion_tokens == 5
+    assert server.metric("ladder_kv_cache_bytes") == 4 * context * per_position <= 4 * 2**20
+    assert "ladder_kv_cache_usage_perc" in httpx.get(server.url + "/metrics").text
+    assert server.stop() == 0
+    assert f"KV cache 4.0 MiB of a 4.0 MiB budget: 4 rows of {context} positions" in server.proc.stderr.read()
+
+
+def test_a_context_the_kv_budget_cannot_hold_is_refused_in_one_line_before_the_weights_load():
+    out = ladder_cli("serve", "--preset", "llama-160m", "--max-model-len", "2048", "--kv-cache-memory", "1MiB",
+                     timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ladder: error: the KV cache budget of 1.0 MiB (--kv-cache-memory) holds 14 positions at 73728 bytes each; one "
+        "sequence of 2048 positions needs 144.0 MiB: raise --kv-cache-memory or lower --max-model-len")
+    assert "loaded in" not in out.stderr
 
 
 def test_sigterm_during_a_stream_finishes_it_and_exits_0():
@@ -304,7 +319,7 @@ def test_tp2_on_gloo_answers_what_tp1_answers(decode_step):
     model = random_model(get_preset("tiny"), LocalCommunicator(), torch.device("cpu")).eval()
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1], [42]]
     expected = [" ".join(map(str, Engine(model).generate(torch.tensor([p]), 20).tokens[0])) for p in prompts]
-    server = Server("--preset", "tiny", "--tp", "2", "--max-batch", "2", "--prefill-chunk", "4", *decode_step)
+    server = Server("--preset", "tiny", "--tp", "2", "--max-batch", "2", "--max-num-batched-tokens", "4", *decode_step)
     try:
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(lambda p: complete(server, prompt=p, max_tokens=20).choices[0].text, prompts))

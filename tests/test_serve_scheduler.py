@@ -15,7 +15,10 @@ from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import LinkModel
 from ladder.config import get_preset
 from ladder.decode_step import DecodeStep
-from ladder.engine import Engine, SamplingParams
+from ladder.engine import Engine
+from ladder.errors import LadderError
+from ladder.memory import KvCachePlan, parse_memory_setting, plan_kv_cache
+from ladder.sampling import SamplingParams
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import GenerationParams, Output, Scheduler
 from ladder.serve.steps import PrefillChunk, StepPlan, StepRunner
@@ -25,10 +28,10 @@ from ladder.weights import random_model
 from helpers import RecordingCommunicator, in_flight_at_each_wait, make_model, overlapped_modules, tiny
 
 
-def run_requests(model, requests, max_batch=4, prefill_chunk=4, cancel_after=None, runner=None):
+def run_requests(model, requests, max_batch=4, token_budget=6, cancel_after=None, runner=None):
     """Submit every (prompt, params) at once, run the scheduler until all finish; each one's outputs."""
     runner = runner or StepRunner(model, max_batch, 96)
-    scheduler = Scheduler(runner, None, ServerMetrics("tiny"), max_batch, 64, prefill_chunk)
+    scheduler = Scheduler(runner, None, ServerMetrics("tiny"), max_batch, 64, token_budget)
     outputs = [[] for _ in requests]
     done = threading.Semaphore(0)
 
@@ -64,15 +67,40 @@ def greedy(max_tokens):
 
 def test_every_request_gets_the_tokens_it_gets_alone_and_engine_generate_gives():
     model = make_model(tiny(layout="ladder", ladder_layers=2))
-    prompts = [[1, 2, 3], list(range(5, 25)), [7] * 11, [9, 8, 7, 6, 5, 4]]  # the long ones prefill in 4-token chunks
+    prompts = [[1, 2, 3], list(range(5, 25)), [7] * 11, [9, 8, 7, 6, 5, 4]]  # in chunks of what the 4-token budget leaves
     lengths = [12, 5, 9, 7]
-    together, scheduler = run_requests(model, [(p, greedy(n)) for p, n in zip(prompts, lengths)], max_batch=3)
+    together, scheduler = run_requests(model, [(p, greedy(n)) for p, n in zip(prompts, lengths)], max_batch=3,
+                                       token_budget=4)
     for prompt, n, outputs in zip(prompts, lengths, together):
         alone, _ = run_requests(model, [(prompt, greedy(n))])
         reference = Engine(model).generate(torch.tensor([prompt]), n).tokens[0]
         assert ids(outputs) == ids(alone[0]) == reference
         assert outputs[-1].finish_reason == "length" and outputs[-1].completion_tokens == n
-    assert not scheduler.running and scheduler.prefilling is None  # every row given back
+    assert not scheduler.running and scheduler.prefilling == []  # every row given back
+
+
+class PlanRecorder(StepRunner):
+    """A runner that keeps every plan it runs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plans = []
+
+    def run(self, plan):
+        self.plans.append(plan)
+        return super().run(plan)
+
+
+def test_a_burst_prefills_together_within_the_token_budget_and_each_gets_its_tokens_alone():
+    model = make_model(tiny(layout="ladder", ladder_layers=2))
+    prompts = [[1, 2, 3, 4, 5], [6, 7], list(range(8, 20)), [3, 1]]
+    runner = PlanRecorder(model, 4, 96)
+    together, _ = run_requests(model, [(p, greedy(6)) for p in prompts], token_budget=10, runner=runner)
+    first = runner.plans[0].prefill
+    assert [(c.row, len(c.tokens), c.start) for c in first] == [(0, 5, 0), (1, 2, 0), (2, 3, 0)]  # 10 tokens
+    assert all(len(p.decode_tokens) + sum(len(c.tokens) for c in p.prefill) <= 10 for p in runner.plans)
+    for prompt, outputs in zip(prompts, together):
+        assert ids(outputs) == Engine(model).generate(torch.tensor([prompt]), 6).tokens[0]
 
 
 def test_seeded_sampling_repeats_and_a_cancelled_request_frees_its_row():
@@ -98,8 +126,8 @@ def test_the_ladder_overlap_holds_in_the_servers_decode_step():
     model = make_model(tiny(layout="ladder"), recorder)
     recorder.attach(model)
     runner = StepRunner(model, 4, 64)
-    runner.run(StepPlan(prefill=PrefillChunk(0, [1, 2, 3], 0)))
-    runner.run(StepPlan(prefill=PrefillChunk(1, [4, 5], 0)))
+    runner.run(StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
+    runner.run(StepPlan(prefill=[PrefillChunk(1, [4, 5], 0)]))
     recorder.events.clear()
     recorder._launched = 0
     runner.run(StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2]))  # two requests at their own positions
@@ -136,8 +164,8 @@ def test_the_compiled_server_step_equals_eager_and_keeps_each_layouts_overlap(tm
     comm = EmulatedCommunicator(LinkModel("test", latency_us=200.0, bandwidth_gbps=1.0), world_size=2, device=cpu)
     model = random_model(get_preset("tiny", layout=layout), comm, cpu)
     eager = StepRunner(model, 2, 64)
-    eager.run(StepPlan(prefill=PrefillChunk(0, [1, 2, 3], 0)))
-    eager.run(StepPlan(prefill=PrefillChunk(1, [4, 5], 0)))
+    eager.run(StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
+    eager.run(StepPlan(prefill=[PrefillChunk(1, [4, 5], 0)]))
     plan = StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2])
     expected, _ = eager.run(plan)
 
@@ -163,3 +191,24 @@ def test_cuda_graphed_server_steps_give_every_request_its_eager_tokens():
     runner.fixed_shapes.warm_up()  # captures every shape
     assert [ids(o) for o in run_requests(model, requests, runner=runner)[0]] == [ids(o) for o in eager]
     assert [ids(o) for o in run_requests(model, requests, runner=runner)[0]] == [ids(o) for o in eager]  # replayed
+
+
+def test_the_kv_cache_plan_fits_its_budget_and_refuses_what_cannot_fit():
+    config = tiny()  # 4 layers x 2 KV heads x 16 x K and V x 4 bytes: 1024 bytes a position in fp32
+    assert plan_kv_cache(config, 1, 4, 2**20, 8, None) == KvCachePlan(8, 128, 2**20, 2**20)  # the model's 128
+    assert plan_kv_cache(config, 1, 4, 2**19, 8, None).max_model_len == 64  # what fits, in whole blocks
+    assert plan_kv_cache(config, 1, 4, 300 * 1024, 8, 100) == KvCachePlan(3, 100, 300 * 1024, 300 * 1024)  # 3 rows
+    assert plan_kv_cache(config, 2, 4, 300 * 1024, 8, 100).rows == 6  # a rank holds one KV head of two
+    with pytest.raises(LadderError, match="holds 50 positions at 1024 bytes each; one sequence of 100 positions"):
+        plan_kv_cache(config, 1, 4, 50 * 1024, 8, 100)
+
+
+@pytest.mark.parametrize("text, value", [("0.2", 0.2), ("4GiB", 4 * 2**30), ("512MB", 512 * 10**6), ("1e9", 10**9)])
+def test_kv_cache_memory_is_a_fraction_or_a_size(text, value):
+    assert parse_memory_setting(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "0", "-1", "1.5", "4TB"])
+def test_a_kv_cache_memory_that_is_neither_is_refused(text):
+    with pytest.raises(LadderError, match="give a fraction of the free memory"):
+        parse_memory_setting(text)

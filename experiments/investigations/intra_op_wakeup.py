@@ -18,10 +18,11 @@ import statistics
 import torch
 
 from ladder.bench.worker import generate_in_turns
-from ladder.config import get_preset
-from ladder.engine import Engine, SamplingParams
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import LinkModel
+from ladder.config import get_preset
+from ladder.engine import Engine
+from ladder.sampling import SamplingParams
 from ladder.weights import random_model, share_weights
 
 

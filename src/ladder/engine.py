@@ -17,45 +17,13 @@ import torch
 from ladder.comm.emulated import trace_emulated_launches
 from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError
+from ladder.limits import check_context, check_token_ids
 from ladder.model import Transformer
+from ladder.packing import weights_for_step
+from ladder.sampling import SamplingBatch, SamplingParams, row_generators, sample
 
 TokenCallback = Callable[[torch.Tensor], None]
 """Called with each new token column (B,) as soon as it is sampled (for streaming)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy (argmax)
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise LadderError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise LadderError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise LadderError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token ids (B,) from last-position logits (B, V)."""
-    if params.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
-    if params.top_k is not None and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens ranked before it already reach top_p (the first always stays).
-        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @dataclass
@@ -87,8 +55,9 @@ class Engine:
 
     def __init__(self, model: Transformer, step: DecodeStep = DecodeStep.EAGER) -> None:
         self.model = model.eval()
-        self.device = model.output.weight.device
+        self.device = model.device
         self.step = step
+        weights_for_step(model, step)  # oneDNN's packed layout for an eager step on CPU
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._decode_step
         if step.captures_cuda_graph:
             self._decode = CudaGraphStep(self._decode_step, model)  # (first: it refuses a model off CUDA)
@@ -124,19 +93,11 @@ class Engine:
             raise LadderError("prompt must be a non-empty (batch, length) tensor of token ids")
         if max_new_tokens < 1:
             raise LadderError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        vocab = self.model.config.vocab_size
-        if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
-            raise LadderError(f"prompt token ids must be in [0, {vocab}), got {prompt.min()}..{prompt.max()}")
+        check_token_ids((int(prompt.min()), int(prompt.max())), self.model.config.vocab_size, "prompt token id")
         B, T = prompt.shape
-        total = T + max_new_tokens
-        max_seq = max_seq or total
-        limit = self.model.config.max_seq_len
-        if total > limit:
-            raise LadderError(f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} exceeds "
-                              f"the model's max_seq_len {limit}")
-        if total > max_seq:
-            raise LadderError(f"prompt of {T} tokens + {max_new_tokens} new tokens = {total} exceeds "
-                              f"the KV cache of {max_seq} tokens")
+        max_seq = max_seq or T + max_new_tokens
+        check_context(T, max_new_tokens, self.model.config.max_seq_len)
+        check_context(T, max_new_tokens, max_seq, "the KV cache of {limit} tokens")
         self.model.setup_caches(B, max_seq)
         return Generation(self, prompt.to(self.device), max_new_tokens, sampling, stop_ids, on_token)
 
@@ -157,7 +118,7 @@ class CudaGraphStep:
     cache changes."""
 
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: Transformer) -> None:
-        device = model.output.weight.device
+        device = model.device
         if device.type != "cuda":
             raise LadderError(f"CUDA graphs need a CUDA device; the model is on {device}")
         self.step, self.model = step, model
@@ -203,9 +164,9 @@ class Generation:
                  stop_ids: Sequence[int], on_token: TokenCallback | None) -> None:
         self.engine, self.prompt, self.max_new_tokens = engine, prompt, max_new_tokens
         self.sampling, self.stop_ids, self.on_token = sampling, stop_ids, on_token
-        self.generator = None
-        if sampling.temperature > 0:
-            self.generator = torch.Generator(device=engine.device).manual_seed(sampling.seed)
+        rows = prompt.shape[0]
+        self.sampling_rows = SamplingBatch.of([sampling] * rows, row_generators(sampling.seed, rows, engine.device),
+                                              engine.model.config.vocab_size, engine.device)
         self.stop = torch.tensor(list(stop_ids), dtype=torch.long, device=engine.device)
         self.out: list[torch.Tensor] = []  # the sampled token columns (B,)
         self.done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=engine.device)
@@ -225,13 +186,13 @@ class Generation:
         if not self.out:
             with eager_if(self.engine.step.compiles_layers):  # (one compilation per prompt length otherwise)
                 logits = model(self.prompt, torch.arange(T, device=device), last_only=True)[:, -1]  # (B, V)
-            token = sample(logits, self.sampling, self.generator)  # (B,)
+            token = sample(logits, self.sampling_rows)  # (B,)
             synchronize(device)
             self.prefill_s = time.perf_counter() - start
         else:
             input_pos = torch.tensor([T + len(self.out) - 1], device=device)
             logits = self.engine.decode(self.out[-1].view(B, 1).clone(), input_pos)
-            token = sample(logits, self.sampling, self.generator)
+            token = sample(logits, self.sampling_rows)
             token = torch.where(self.done, self.out[-1], token)  # finished rows repeat their stop token
             synchronize(device)
             self.latencies.append(time.perf_counter() - start)

@@ -37,7 +37,7 @@ def perplexity(model: Transformer, ids: list[int], window: int = 512, stride: in
         raise LadderError(f"need at least 2 tokens to measure perplexity, got {len(ids)}")
     if window > model.config.max_seq_len:
         raise LadderError(f"--window {window} exceeds the model's max_seq_len {model.config.max_seq_len}")
-    device = model.output.weight.device
+    device = model.device
     tokens = torch.tensor(ids, dtype=torch.long, device=device)
     nll, count = 0.0, 0
     for begin, end, first in tqdm(windows(len(ids), window, stride), desc="eval", unit="window",

@@ -4,10 +4,12 @@ cannot fit before launching, and `ladder predict` marks the rows that could not 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from ladder.config import ModelConfig, ShardShape
+from ladder.errors import LadderError
 
 MEMORY_USABLE = 0.9  # of a device's memory; the rest is the allocator's, CUDA's and the graphs' own
 
@@ -21,7 +23,7 @@ def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: 
     shard = ShardShape.of(config, 0, tp)
     vocab_weights = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)  # whole on every rank
     weights = (config.n_params() - vocab_weights) / tp + vocab_weights
-    kv_cache = 2 * config.n_layers * batch * shard.n_kv_heads * seq * config.head_dim
+    kv_cache = kv_cache_bytes(config, shard.n_kv_heads, batch, seq, 1)
     # The prefill of one layer: its inputs, norms and outputs (dim wide), the MLP's gate, up and product
     # (ffn / tp wide), and the attention scores in case SDPA takes its math path; then the logits of the
     # last position only (in float32).
@@ -30,6 +32,13 @@ def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: 
                    + batch * shard.n_heads * prompt_len * seq
                    + batch * config.vocab_size * 4 // dtype_bytes)
     return int((weight_sets * weights + models * kv_cache + activations) * dtype_bytes)
+
+
+def kv_cache_bytes(config: ModelConfig, kv_heads: int, batch: int, positions: int, dtype_bytes: int,
+                   layers: int | None = None) -> int:
+    """Keys and values of `kv_heads` heads, `batch` sequences of `positions` each, in `layers` layers
+    (default: all of the model's)."""
+    return 2 * (config.n_layers if layers is None else layers) * batch * kv_heads * positions * config.head_dim * dtype_bytes
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -41,3 +50,72 @@ def available_memory_bytes(device: torch.device) -> int:
 def fits_in(need_bytes: int, device_bytes: int) -> bool:
     """Whether a rank needing `need_bytes` (`estimate_memory_bytes`) fits a device of `device_bytes`."""
     return need_bytes <= MEMORY_USABLE * device_bytes
+
+
+def memory_available_now(device: torch.device) -> int:
+    """Memory a new allocation can take now: the kernel's MemAvailable on CPU (free plus reclaimable
+    page cache), the driver's free memory on CUDA."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory_setting(text: str) -> float | int:
+    """`--kv-cache-memory`: a fraction in (0, 1) of the memory available, or a size: 4GiB, 512MB, 1e9."""
+    number = text.strip().lower().rstrip("ibgmk")
+    unit = text.strip().lower()[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0 or (unit == "" and value >= 1 and value != int(value)):
+        raise LadderError(f"--kv-cache-memory {text!r}: give a fraction of the free memory (0.2) or a size "
+                          "(4GiB, 512MB)")
+    return value if unit == "" and value < 1 else int(value * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class KvCachePlan:
+    """A server's KV cache: `rows` sequences of `max_model_len` positions, within a byte budget."""
+
+    rows: int
+    max_model_len: int
+    bytes: int
+    budget_bytes: int
+
+    def describe(self) -> str:
+        return (f"KV cache {size_text(self.bytes)} of a {size_text(self.budget_bytes)} budget: {self.rows} rows of "
+                f"{self.max_model_len} positions")
+
+
+def size_text(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+def plan_kv_cache(config: ModelConfig, tp: int, dtype_bytes: int, budget_bytes: int, max_batch: int,
+                  max_model_len: int | None) -> KvCachePlan:
+    """Rows and context that fit `budget_bytes` (rank 0's shard holds the most KV heads). Without a
+    `max_model_len`, the context is what fits `max_batch` rows, up to the model's, in whole blocks of 64;
+    with one, the rows are what fit, up to `max_batch`. Refuses in one line, naming the numbers, when not
+    even one sequence fits."""
+    per_position = kv_cache_bytes(config, ShardShape.of(config, 0, tp).n_kv_heads, 1, 1, dtype_bytes)
+    positions = budget_bytes // per_position
+    if max_model_len is None:
+        fits = positions // max_batch
+        length = min(config.max_seq_len, fits - fits % 64 if fits >= 64 else fits)
+        rows = max_batch
+    else:
+        length, rows = max_model_len, min(max_batch, positions // max_model_len)
+    if length < 2 or rows < 1:
+        asked = length if max_model_len is not None else 2
+        raise LadderError(f"the KV cache budget of {size_text(budget_bytes)} (--kv-cache-memory) holds {positions} "
+                          f"positions at {per_position} bytes each; one sequence of {asked} positions needs "
+                          f"{size_text(asked * per_position)}: raise --kv-cache-memory or lower --max-model-len")
+    return KvCachePlan(rows, length, rows * length * per_position, budget_bytes)

@@ -205,6 +205,10 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings and not self.shard_vocab:
             self.output.weight = self.tok_embeddings.weight
 
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
     # ---- buffers that do not come from a checkpoint ---------------------------------------------
 
     def reset_buffers(self) -> None:
@@ -217,7 +221,7 @@ class Transformer(nn.Module):
             raise LadderError(f"a cache of {max_seq} tokens exceeds max_seq_len {self.config.max_seq_len}")
         if max_batch <= self.max_batch and max_seq == self.max_seq:
             return
-        weight = self.output.weight
+        weight = self.tok_embeddings.weight
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch, self.shard.n_kv_heads, max_seq,
                                                self.config.head_dim, weight.dtype, weight.device)

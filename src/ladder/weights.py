@@ -176,7 +176,7 @@ def init_hf_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = 
 def init_local_shard(model: Transformer, seed: int = 0) -> None:
     """Random weights drawn directly in this rank's shard: for speed benchmarks of models too large to
     build whole (the values differ from any single-process model; only their shapes are meaningful)."""
-    gen = torch.Generator(device=model.output.weight.device).manual_seed(seed + 7919 * model.comm.rank)
+    gen = torch.Generator(device=model.device).manual_seed(seed + 7919 * model.comm.rank)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -168,6 +168,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(url: str, processes: list[subprocess.Popen], timeout_s: float) -> None:
+    """Until `url`/health says 200; a `LadderError` as soon as one of the server's processes has exited,
+    or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ended := [p for p in processes if p.poll() is not None]:
+            raise LadderError(f"the server exited {ended[0].returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:  # refused while starting, or 503 (HTTPError) while loading
+            pass
+        time.sleep(0.2)
+    raise LadderError(f"the server was not healthy after {timeout_s:.0f} s")
+
+
 class StartedServer:
     """A server process for the length of a `with` block, ready once its /health says 200: `ladder serve`
     (`StartedServer.ladder`) or any other OpenAI-compatible server's `command` listening on `port`."""
@@ -185,20 +202,14 @@ class StartedServer:
     def __enter__(self) -> StartedServer:
         self.log = tempfile.TemporaryFile(mode="w+")  # (a pipe nobody reads would stall a talkative server)
         self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
-        deadline = time.monotonic() + self.startup_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise LadderError(f"{self.name} exited: {self.log.read().strip()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:  # refused while starting, or 503 (HTTPError) while loading
-                pass
-            time.sleep(0.25)
-        self.__exit__()
-        raise LadderError(f"{self.name} was not healthy after {self.startup_s:.0f} s")
+        try:
+            wait_until_healthy(self.url, [self.proc], self.startup_s)
+        except LadderError as exc:
+            self.log.seek(0)
+            said = self.log.read().strip()
+            self.__exit__()
+            raise LadderError(f"{self.name}: {exc}: {said}") from None
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()

@@ -26,10 +26,12 @@ from ladder.comm.distributed import from_every_rank, init_distributed, pick_devi
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.launch import under_torchrun
 from ladder.config import DTYPE_BYTES
-from ladder.engine import Engine, GenerationResult, SamplingParams, synchronize
+from ladder.engine import Engine, GenerationResult, synchronize
 from ladder.errors import LadderError
-from ladder.memory import MEMORY_USABLE, available_memory_bytes, estimate_memory_bytes, fits_in
+from ladder.memory import MEMORY_USABLE, available_memory_bytes, estimate_memory_bytes, fits_in, kv_cache_bytes
 from ladder.model import Transformer
+from ladder.packing import weight_bytes
+from ladder.sampling import SamplingParams
 from ladder.weights import share_weights
 
 
@@ -233,10 +235,9 @@ def _result(point: BenchPoint, model: Transformer, device: torch.device, dtype: 
     tokens_per_s = [point.batch_size * point.gen_len / (p + d) for p, d in zip(prefill, decode)]
     step_s = statistics.median(latencies) if latencies else float("nan")
     # Bytes one decode step must read: this rank's weights plus the KV cache at mid-generation.
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_heads = model.shard.n_kv_heads
+    weights = weight_bytes(model)
     mid_len = point.prompt_len + point.gen_len // 2
-    kv_bytes = 2 * config.n_layers * point.batch_size * kv_heads * mid_len * config.head_dim * DTYPE_BYTES[dtype]
+    kv_bytes = kv_cache_bytes(config, model.shard.n_kv_heads, point.batch_size, mid_len, DTYPE_BYTES[dtype])
     if device.type == "cuda":
         peak, peak_kind = torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
     else:
@@ -260,8 +261,8 @@ def _result(point: BenchPoint, model: Transformer, device: torch.device, dtype: 
         "decode_token_latency_ms": percentiles([t * 1e3 for t in latencies]),
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
-        "weight_bytes_per_rank": weight_bytes,
-        "achieved_bandwidth_gbps": (weight_bytes + kv_bytes) / step_s / 1e9,
+        "weight_bytes_per_rank": weights,
+        "achieved_bandwidth_gbps": (weights + kv_bytes) / step_s / 1e9,
         "env": environment(device),
     }
     # With CUDA graphs the emulated link's ops run on the host only when a graph is captured, not at

@@ -246,20 +246,3 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars[b] = chr(256 + extra)
             extra += 1
     return chars
-
-
-class StreamDecoder:
-    """Turns a growing list of ids into text increments, holding back incomplete UTF-8 sequences."""
-
-    def __init__(self, tokenizer: TextTokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.printed = ""
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            return ""
-        new, self.printed = text[len(self.printed):], text
-        return new

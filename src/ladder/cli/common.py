@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 
-from ladder.comm.distributed import is_rank0
+from ladder.comm.distributed import is_rank0, say
 from ladder.config import DESYNC_PATTERNS, DTYPE_BYTES, LAYOUTS, PRESETS
 from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError, Stopped
@@ -18,7 +17,7 @@ DTYPE_CHOICES = list(DTYPE_BYTES)
 def info(message: str) -> None:
     """Status lines go to stderr (rank 0 only), so stdout carries only the answer."""
     if is_rank0():
-        print(message, file=sys.stderr, flush=True)
+        say(message)
 
 
 def add_model_options(p: argparse.ArgumentParser, tp_flag: bool = True) -> None:

@@ -8,13 +8,16 @@ from typing import Any
 
 import torch
 
-from ladder.checkpoint.tokenizer import StreamDecoder, TextTokenizer
+from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.cli.common import add_model_options, decode_step, info, model_spec, parse_ids
 from ladder.comm.distributed import check_ranks_agree, init_distributed, print_rank0, shutdown_distributed
 from ladder.comm.launch import launch
 from ladder.decode_step import DecodeStep
-from ladder.engine import Engine, SamplingParams
+from ladder.detokenizer import IncrementalDetokenizer
+from ladder.engine import Engine
 from ladder.errors import LadderError
+from ladder.limits import check_context, check_token_ids
+from ladder.sampling import SamplingParams
 from ladder.spec import ModelSpec
 
 
@@ -34,9 +37,7 @@ class GenerateRequest:
 
 def _prompt_tensor(req: GenerateRequest, tokenizer: TextTokenizer | None, vocab: int) -> torch.Tensor:
     if req.prompt_ids is not None:
-        bad = [t for p in req.prompt_ids for t in p if not 0 <= t < vocab]
-        if bad:
-            raise LadderError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        check_token_ids((t for p in req.prompt_ids for t in p), vocab)
         return torch.tensor(req.prompt_ids, dtype=torch.long)
     if tokenizer is None:
         raise LadderError("this model has no tokenizer: give --prompt-ids instead of text")
@@ -66,7 +67,7 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
         text_mode = req.prompt_ids is None
         stop_ids = tuple(req.stop_ids) + (tuple(tokenizer.stop_ids) if text_mode and tokenizer else ())
         batch = prompt.shape[0]
-        stream = StreamDecoder(tokenizer) if text_mode else None
+        stream = IncrementalDetokenizer(tokenizer) if text_mode else None
 
         def on_token(token: torch.Tensor) -> None:
             if stream is not None:
@@ -78,7 +79,9 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
         if not text_mode and batch == 1:
             print_rank0("generated: ", end="")
         result = engine.generate(prompt, req.max_new_tokens, sampling, stop_ids, on_token)
-        if text_mode or batch == 1:
+        if stream is not None:
+            print_rank0(stream.flush())
+        elif batch == 1:
             print_rank0()
         else:
             for i, row in enumerate(result.tokens):
@@ -106,13 +109,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if len({len(p) for p in prompts}) > 1:
             raise LadderError(f"batched prompts must have equal lengths, got {[len(p) for p in prompts]}")
         if config is not None:
-            total = len(prompts[0]) + args.max_new_tokens
-            if total > config.max_seq_len:
-                raise LadderError(f"prompt of {len(prompts[0])} tokens + {args.max_new_tokens} new tokens = {total} "
-                                  f"exceeds the model's max_seq_len {config.max_seq_len}")
-            bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
-            if bad:
-                raise LadderError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+            check_context(len(prompts[0]), args.max_new_tokens, config.max_seq_len)
+            check_token_ids((t for p in prompts for t in p), config.vocab_size)
     stop_ids = tuple(parse_ids(args.stop_ids, "--stop-ids")) if args.stop_ids else ()
     req = GenerateRequest(model=spec, max_new_tokens=args.max_new_tokens, prompt_ids=prompts, prompt=args.prompt,
                           chat=args.chat, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -13,6 +13,8 @@ from ladder.cli.common import add_model_options, decode_step, model_spec
 from ladder.comm.launch import launch
 from ladder.comm.links import link_presets
 from ladder.errors import LadderError, Stopped
+from ladder.limits import check_max_model_len
+from ladder.memory import parse_memory_setting
 from ladder.serve.worker import ServeSettings, serve_on_rank
 
 API_KEY_VARIABLE = "LADDER_API_KEY"
@@ -21,21 +23,23 @@ API_KEY_VARIABLE = "LADDER_API_KEY"
 def cmd_serve(args: argparse.Namespace) -> int:
     spec = model_spec(args)
     config = spec.validate()
-    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--prefill-chunk", args.prefill_chunk, 1),
+    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-num-batched-tokens", args.max_num_batched_tokens, args.max_batch),
                                ("--max-waiting", args.max_waiting, 0), ("--max-model-len", args.max_model_len or 2, 2)):
         if value < least:
             raise LadderError(f"{flag} must be >= {least}, got {value}")
-    if config is not None and args.max_model_len and args.max_model_len > config.max_seq_len:
-        raise LadderError(f"--max-model-len {args.max_model_len} exceeds the model's max_seq_len {config.max_seq_len}")
+    if config is not None and args.max_model_len:
+        check_max_model_len(args.max_model_len, config.max_seq_len)
     if args.interconnect is not None and args.interconnect not in link_presets():
         raise LadderError(f"unknown --interconnect {args.interconnect!r}; known: {', '.join(link_presets())}")
+    parse_memory_setting(args.kv_cache_memory)  # its one-line refusal, before any worker starts
     step = decode_step(args)
     if step.captures_cuda_graph and (spec.device == "cpu" or not torch.cuda.is_available()):
         raise LadderError("--cuda-graph needs a CUDA device (use --compile or --compile-layers on the CPU)")
     name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
     settings = ServeSettings(spec, name, args.host, args.port, args.max_batch, args.max_model_len, args.max_waiting,
-                             args.prefill_chunk, args.shutdown_timeout, args.interconnect, args.link_scale, step,
-                             api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None)
+                             args.max_num_batched_tokens, args.shutdown_timeout, args.interconnect, args.link_scale, step,
+                             api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                             kv_cache_memory=args.kv_cache_memory)
     emulated = args.interconnect is not None
     try:
         launch(serve_on_rank, 1 if emulated else spec.tp, settings, device=spec.device, workers_catch_interrupt=True)
@@ -49,17 +53,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over the OpenAI API (continuous batching, any TP degree)")
     add_model_options(s)
     g = s.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default=ServeSettings.host)
+    g.add_argument("--port", type=int, default=ServeSettings.port)
     g.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open; "
                    f"default: ${API_KEY_VARIABLE}, else none)")
     g.add_argument("--served-model-name", help="the model's name in the API (default: the folder, file or preset name)")
-    g.add_argument("--max-batch", type=int, default=8, help="requests decoded together (KV-cache rows)")
-    g.add_argument("--max-model-len", type=int, help="context per request (default: the model's max_seq_len)")
-    g.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which new ones get 503")
-    g.add_argument("--prefill-chunk", type=int, default=128,
-                   help="prompt tokens per step: the longest a new prompt delays running requests")
-    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+    g.add_argument("--max-batch", type=int, default=ServeSettings.max_batch, help="requests decoded together (KV-cache rows)")
+    g.add_argument("--max-model-len", type=int,
+                   help="context per request (default: what --max-batch rows fit in the KV-cache budget, up to the "
+                   "model's max_seq_len)")
+    g.add_argument("--kv-cache-memory", default=ServeSettings.kv_cache_memory,
+                   help="the KV cache's budget: a fraction of the memory available at start-up (shared by this "
+                   "machine's ranks), or a size such as 4GiB (default: %(default)s)")
+    g.add_argument("--max-waiting", type=int, default=ServeSettings.max_waiting,
+                   help="queued requests beyond which new ones get 503")
+    g.add_argument("--max-num-batched-tokens", type=int, default=ServeSettings.max_num_batched_tokens,
+                   help="tokens a step computes: one per running request, the rest prompt chunks (as in vLLM)")
+    g.add_argument("--shutdown-timeout", type=float, default=ServeSettings.shutdown_timeout_s,
                    help="seconds requests in flight get to finish after SIGTERM or Ctrl-C")
     g.add_argument("--interconnect", help="an emulated link (one process, rank 0's shard of --tp ranks)")
     g.add_argument("--link-scale", type=float, default=1.0, help="stretch the emulated link's times")

@@ -31,7 +31,7 @@ from ladder.bench.summary import hidden_fraction
 from ladder.comm.links import LinkModel
 from ladder.config import ModelConfig, ShardShape, check_hybrids, get_preset, layout_variants
 from ladder.errors import LadderError
-from ladder.memory import estimate_memory_bytes, fits_in
+from ladder.memory import estimate_memory_bytes, fits_in, kv_cache_bytes
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     # decode: one token per sequence. Like gpt-fast, the engine attends over the whole static cache
     # (prompt + gen positions, masked), so every step reads all of it.
     cache_len = prompt_len + gen_len
-    kv_bytes = 2 * by * b * rows.kv_heads * cache_len * hd  # K and V of this rank's heads
+    kv_bytes = kv_cache_bytes(c, rows.kv_heads, b, cache_len, by, layers=1)  # one layer, this rank's heads
     kv_s = kv_bytes / (k["attention_efficiency"] * gpu.hbm_bytes_per_s)
     dec_attn = roof(by * attn_params, 2 * b * attn_params) + kv_s
     dec_mlp = roof(by * mlp_params, 2 * b * mlp_params)

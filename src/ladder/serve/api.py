@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ladder.checkpoint.tokenizer import TextTokenizer
-from ladder.engine import SamplingParams
+from ladder.limits import vocabulary_error
+from ladder.sampling import SamplingParams
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                    ChatCompletionRequest, ChatDelta, ChatMessageOut, Completion, CompletionChoice,
@@ -168,8 +169,8 @@ def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]
         ids = _encode(state, prompt, "prompt")
     else:
         ids = list(prompt)
-        if bad := [t for t in ids if not 0 <= t < state.vocab_size]:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})", param="prompt")
+        if (error := vocabulary_error(ids, state.vocab_size)) is not None:
+            raise ApiError(400, error, param="prompt")
     return _check_length(state, ids)
 
 
@@ -200,8 +201,8 @@ def _params(state: ServerState, body: SamplingFields, prompt_tokens: int, max_to
     if max_tokens is not None and max_tokens > room:
         raise ApiError(400, f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed this server's "
                        f"context of {state.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
-    if bad := [t for t in body.stop_token_ids or [] if not 0 <= t < state.vocab_size]:
-        raise ApiError(400, f"stop token id {bad[0]} is outside the vocabulary", param="stop_token_ids")
+    if (error := vocabulary_error(body.stop_token_ids or [], state.vocab_size, "stop token id")) is not None:
+        raise ApiError(400, error, param="stop_token_ids")
     top_k = body.top_k if body.top_k not in (None, -1, 0) else None
     return GenerationParams(max_tokens or room, SamplingParams(body.temperature, top_k, body.top_p), body.seed,
                             body.stop_strings(), frozenset(body.stop_token_ids or ()), body.ignore_eos)

@@ -26,6 +26,10 @@ class ServerMetrics:
                              ["model_name"], registry=self.registry).labels(**labels)
         self.waiting = Gauge("ladder_num_requests_waiting", "Requests waiting for a KV-cache row",
                              ["model_name"], registry=self.registry).labels(**labels)
+        self.kv_cache_usage = Gauge("ladder_kv_cache_usage_perc", "Positions the requests hold in the KV cache, "
+                                    "of all its positions (0 to 1)", ["model_name"], registry=self.registry).labels(**labels)
+        self.kv_cache_bytes = Gauge("ladder_kv_cache_bytes", "The KV cache's size on rank 0", ["model_name"],
+                                    registry=self.registry).labels(**labels)
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=LATENCY_BUCKETS_S, registry=self.registry).labels(**labels)

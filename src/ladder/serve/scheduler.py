@@ -1,10 +1,13 @@
-"""Rank 0's scheduler: continuous batching with chunked prefill.
+"""Rank 0's scheduler: continuous batching with chunked prefill, in vLLM v1's shape.
 
-Requests join the running batch at step boundaries and leave it when done, each at its own position
-with its own sampling parameters and stop conditions. One step is one decode forward over every
-running request and at most one chunk (`prefill_chunk` tokens) of one waiting prompt, so a new prompt
-delays the running requests by one chunk's forward at most, however long it is. A finished, cancelled
-or disconnected request gives its KV-cache row back at once (`steps` keeps the running rows first).
+The scheduler only plans. Requests join the batch at step boundaries and leave it when done, each at its
+own position with its own sampling parameters and stop conditions. A step has a token budget
+(`max_num_batched_tokens`, vLLM's name): one token of every running request, then prompt chunks of the
+requests being prefilled, oldest first, as many as the budget holds. So a burst of arrivals prefills
+together, and a long prompt delays the running requests by one budget's forward at most. Every row of
+a step is sampled in one call (`ladder.sampling`), and its text comes from each request's incremental
+detokenizer. A finished, cancelled or disconnected request gives its KV-cache row back at once
+(`steps` keeps the running rows first).
 
 The HTTP side (`ladder.serve.api`) calls `submit` and `cancel` from its thread; `run` is the engine
 thread's loop. Outputs go back through each request's `emit` callback, called on the engine thread.
@@ -25,8 +28,9 @@ import torch.distributed as dist
 
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.distributed import communication_failure
-from ladder.engine import SamplingParams, sample
+from ladder.detokenizer import IncrementalDetokenizer
 from ladder.errors import LadderError
+from ladder.sampling import SamplingBatch, SamplingParams, sample
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.steps import PrefillChunk, StepPlan, StepRunner, share_plan
 
@@ -68,11 +72,11 @@ class Sequence:
     params: GenerationParams
     emit: Callable[[Output], None]
     generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
     arrival: float = field(default_factory=time.perf_counter)
     row: int = -1
     prefilled: int = 0  # prompt tokens in the KV cache
     generated: list[int] = field(default_factory=list)
-    emitted: int = 0  # characters of the output text sent so far
     cancelled: bool = False
     finished: bool = False
     last_token_at: float = 0.0
@@ -85,15 +89,18 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, runner: StepRunner, tokenizer: TextTokenizer | None, metrics: ServerMetrics, max_batch: int,
-                 max_waiting: int, prefill_chunk: int, group: dist.ProcessGroup | None = None,
+                 max_waiting: int, max_num_batched_tokens: int, group: dist.ProcessGroup | None = None,
                  world_size: int = 1) -> None:
+        if max_num_batched_tokens < max_batch:
+            raise LadderError(f"--max-num-batched-tokens {max_num_batched_tokens} is below --max-batch {max_batch}: "
+                              "a step must hold one token of every running request")
         self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
-        self.max_batch, self.max_waiting, self.prefill_chunk = max_batch, max_waiting, prefill_chunk
+        self.max_batch, self.max_waiting, self.token_budget = max_batch, max_waiting, max_num_batched_tokens
         self.group, self.world_size = group, world_size
         self.eos_ids = frozenset(tokenizer.stop_ids) if tokenizer is not None else frozenset()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] holds KV-cache row i
-        self.prefilling: Sequence | None = None  # holds row len(running)
+        self.prefilling: list[Sequence] = []  # hold the rows after the running ones, in order
         self.moves: list[tuple[int, int, int]] = []  # row moves the next plan carries
         self.failure: str | None = None
         self.stopping = False
@@ -105,7 +112,8 @@ class Scheduler:
     def submit(self, prompt: list[int], params: GenerationParams, emit: Callable[[Output], None]) -> Sequence:
         seed = params.seed if params.seed is not None else random.randrange(2**63)
         generator = torch.Generator(self.runner.device).manual_seed(seed)
-        sequence = Sequence(next(self._ids), prompt, params, emit, generator)
+        sequence = Sequence(next(self._ids), prompt, params, emit, generator,
+                            IncrementalDetokenizer(self.tokenizer, params.stop))
         with self._lock:
             if self.failure is not None or self.stopping:
                 raise Unavailable(self.failure or "the server is shutting down")
@@ -154,9 +162,11 @@ class Scheduler:
                     self._abort_all()
                     return None
                 self._admit()
-                self.metrics.running.set(len(self.running) + (self.prefilling is not None))
+                self.metrics.running.set(len(self.running) + len(self.prefilling))
                 self.metrics.waiting.set(len(self.waiting))
-                if self.running or self.prefilling is not None:
+                held = sum(s.cached for s in [*self.running, *self.prefilling])
+                self.metrics.kv_cache_usage.set(held / (self.runner.max_batch * self.runner.max_model_len))
+                if self.running or self.prefilling:
                     return self._plan()
                 if self.moves:
                     return self._plan()  # no compute: the rows to move
@@ -164,9 +174,10 @@ class Scheduler:
                     return self._plan()  # idle for a second: a heartbeat for the other ranks
 
     def _admit(self) -> None:
-        if self.prefilling is None and self.waiting and len(self.running) < self.max_batch:
-            self.prefilling = self.waiting.popleft()
-            self.prefilling.row = len(self.running)
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
+            s = self.waiting.popleft()
+            s.row = len(self.running) + len(self.prefilling)
+            self.prefilling.append(s)
 
     def _plan(self) -> StepPlan:
         plan = StepPlan(moves=self.moves)
@@ -174,29 +185,37 @@ class Scheduler:
         for s in self.running:
             plan.decode_tokens.append(s.generated[-1])
             plan.decode_positions.append(s.cached)
-        if (s := self.prefilling) is not None:
-            chunk = s.prompt[s.prefilled:s.prefilled + self.prefill_chunk]
-            plan.prefill = PrefillChunk(s.row, chunk, s.prefilled)
+        budget = self.token_budget - len(self.running)
+        for s in self.prefilling:  # oldest first: a request gets tokens only once the ones before it are all in
+            if budget <= 0:
+                break
+            chunk = s.prompt[s.prefilled:s.prefilled + budget]
+            plan.prefill.append(PrefillChunk(s.row, chunk, s.prefilled))
+            budget -= len(chunk)
         return plan
 
     def _advance(self, plan: StepPlan, decoded: torch.Tensor | None, prefilled: torch.Tensor | None) -> None:
         now = time.perf_counter()
-        for i, s in enumerate(self.running[:len(plan.decode_tokens)]):
-            assert decoded is not None
-            self._accept(s, self._sample(s, decoded[i]), now)
-        if plan.prefill is not None and (s := self.prefilling) is not None:
-            s.prefilled += len(plan.prefill.tokens)
-            if s.prefilled == len(s.prompt):  # the whole prompt is in: its first token
-                assert prefilled is not None
-                self.prefilling = None
-                self.running.append(s)  # its row is len(running) already
+        rows = self.running[:len(plan.decode_tokens)]
+        logits = [decoded] if decoded is not None else []
+        complete = []  # the chunks that end their prompt: a prefix of the prefilling requests (see `_plan`)
+        for i, (chunk, s) in enumerate(zip(plan.prefill, self.prefilling)):
+            s.prefilled += len(chunk.tokens)
+            if s.prefilled == len(s.prompt):
+                complete.append(i)
                 self.metrics.time_to_first_token.observe(now - s.arrival)
-                self._accept(s, self._sample(s, prefilled), now)
-        for s in [s for s in self.running if s.finished]:
-            self._release(s)
-
-    def _sample(self, s: Sequence, logits: torch.Tensor) -> int:
-        return int(sample(logits[None], s.params.sampling, s.generator)[0])
+        if complete:
+            assert prefilled is not None and complete == list(range(len(complete)))
+            joined, self.prefilling = self.prefilling[:len(complete)], self.prefilling[len(complete):]
+            self.running += joined  # their rows follow the running ones already
+            rows, logits = [*rows, *joined], [*logits, prefilled[:len(complete)]]
+        if rows:
+            batch = SamplingBatch.of([s.params.sampling for s in rows], [s.generator for s in rows],
+                                     logits[0].shape[-1], logits[0].device)
+            tokens = sample(torch.cat(logits), batch).tolist()  # the step's one transfer to the host
+            for s, token in zip(rows, tokens):
+                self._accept(s, token, now)
+        self._release([s for s in self.running if s.finished])
 
     def _accept(self, s: Sequence, token: int, now: float) -> None:
         """Append a sampled token; send the new text; finish on a stop token, a stop string, max_tokens
@@ -208,65 +227,56 @@ class Scheduler:
         self.metrics.generation_tokens.inc()
         stops = s.params.stop_token_ids | (frozenset() if s.params.ignore_eos else self.eos_ids)
         if token in stops:
-            text = self._text(s.generated[:-1])
-            self._finish(s, "stop", text, len(text))
+            self._finish(s, "stop", s.detokenizer.flush())
             return
-        text = self._text(s.generated)
-        hit = min((i for i in (text.find(stop, max(0, s.emitted - len(stop))) for stop in s.params.stop) if i >= 0),
-                  default=-1)
-        if hit >= 0:
-            self._finish(s, "stop", text, hit)
+        text = s.detokenizer.push(token)
+        if s.detokenizer.stopped:
+            self._finish(s, "stop", text)
         elif len(s.generated) >= s.params.max_tokens or s.cached + 1 >= self.runner.max_model_len:
-            self._finish(s, "length", text, len(text))
-        else:
-            held = _held_back(text, s.params.stop)
-            if len(text) - held > s.emitted:
-                s.emit(Output(text[s.emitted:len(text) - held], None, len(s.prompt), len(s.generated)))
-                s.emitted = len(text) - held
+            self._finish(s, "length", text + s.detokenizer.flush())
+        elif text:
+            s.emit(Output(text, None, len(s.prompt), len(s.generated)))
 
-    def _text(self, ids: list[int]) -> str:
-        if self.tokenizer is None:  # a model without a tokenizer (random weights): its ids, as ladder generate prints
-            return "".join(f" {t}" for t in ids)
-        return self.tokenizer.decode(ids)
-
-    def _finish(self, s: Sequence, reason: str, text: str, end: int) -> None:
+    def _finish(self, s: Sequence, reason: str, text: str = "") -> None:
         s.finished = True
-        s.emit(Output(text[s.emitted:end], reason, len(s.prompt), len(s.generated)))
+        s.emit(Output(text, reason, len(s.prompt), len(s.generated)))
         self.metrics.finished(reason, len(s.prompt), time.perf_counter() - s.arrival)
 
-    def _release(self, s: Sequence) -> None:
-        """Free a running request's row: the last running row moves into it, the prefilling row after."""
-        last = len(self.running) - 1
-        if s.row != last:
-            mover = self.running[last]
-            self.moves.append((last, s.row, mover.cached))
-            self.running[s.row], mover.row = mover, s.row
-        self.running.pop()
-        if self.prefilling is not None and self.prefilling.row != len(self.running):
-            self.moves.append((self.prefilling.row, len(self.running), self.prefilling.prefilled))
-            self.prefilling.row = len(self.running)
+    def _release(self, leaving: list[Sequence]) -> None:
+        """Free the rows of requests that left: the last running row moves into each running one's place,
+        then the prefilling rows move down behind the running ones. Every move goes to a lower row, in
+        order of target: no row is overwritten before it is copied."""
+        for s in leaving:
+            if s in self.prefilling:
+                self.prefilling.remove(s)
+                continue
+            index = self.running.index(s)
+            self.running[index] = self.running[-1]
+            self.running.pop()
+        for row, s in enumerate([*self.running, *self.prefilling]):
+            if s.row != row:
+                self.moves.append((s.row, row, s.cached))
+                s.row = row
 
     def _drop_cancelled(self) -> None:
         for s in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(s)
-            self._finish(s, "abort", "", 0)
-        if self.prefilling is not None and self.prefilling.cancelled:
-            self._finish(self.prefilling, "abort", "", 0)
-            self.prefilling = None  # its row was the last: nothing moves
-        for s in [s for s in self.running if s.cancelled and not s.finished]:
-            self._finish(s, "abort", "", 0)
-            self._release(s)
+            self._finish(s, "abort")
+        leaving = [s for s in [*self.running, *self.prefilling] if s.cancelled and not s.finished]
+        for s in leaving:
+            self._finish(s, "abort")
+        self._release(leaving)
 
     def _live(self) -> list[Sequence]:
-        return [*self.waiting, *([self.prefilling] if self.prefilling else []), *self.running]
+        return [*self.waiting, *self.prefilling, *self.running]
 
     def _abort_all(self) -> None:
         for s in self._live():
             if not s.finished:
-                self._finish(s, "abort", "", 0)
+                self._finish(s, "abort")
         self.waiting.clear()
         self.running.clear()
-        self.prefilling = None
+        self.prefilling.clear()
 
     def _fail(self, message: str) -> None:
         with self._lock:
@@ -276,14 +286,3 @@ class Scheduler:
                     s.finished = True
                     s.emit(Output("", "abort", len(s.prompt), len(s.generated), error=message))
 
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters to hold back: an incomplete UTF-8 character (decoded as U+FFFD), or
-    the longest end of the text that may begin a stop string."""
-    held = len(text) - len(text.rstrip("\ufffd"))
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:n]):
-                held = max(held, n)
-                break
-    return held

@@ -24,12 +24,14 @@ import torch
 import uvicorn
 
 from ladder.comm.base import Communicator
-from ladder.comm.distributed import (DistContext, check_ranks_agree, init_distributed, pick_device, say,
-                                     shutdown_distributed)
+from ladder.comm.distributed import (DistContext, check_ranks_agree, from_every_rank, init_distributed, pick_device,
+                                     say, shutdown_distributed)
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
 from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError
+from ladder.limits import check_max_model_len
+from ladder.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
 from ladder.serve.api import ServerState, create_app
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import Scheduler
@@ -44,13 +46,14 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch: int = 8
-    max_model_len: int | None = None  # default: the model's max_seq_len
+    max_model_len: int | None = None  # default: what fits the KV-cache budget, up to the model's max_seq_len
     max_waiting: int = 256
-    prefill_chunk: int = 128
+    max_num_batched_tokens: int = 256  # one token per running request, the rest prompt chunks
     shutdown_timeout_s: float = 10.0
     interconnect: str | None = None  # an emulated link: one process, rank 0's shard
     link_scale: float = 1.0
     decode_step: DecodeStep = DecodeStep.EAGER  # compiled or CUDA-graphed: fixed shapes, made at start-up
+    kv_cache_memory: str = "0.15"  # the KV cache's budget: a fraction of the memory available, or a size
     api_key: str | None = field(default=None, repr=False)  # required on /v1/* when set; never printed
 
 
@@ -84,12 +87,32 @@ def _communicator(settings: ServeSettings, ctx: DistContext | None) -> tuple[Com
 
 def _runner(settings: ServeSettings, ctx: DistContext | None) -> tuple[StepRunner, object]:
     comm, device = _communicator(settings, ctx)
+    plan = _kv_cache_plan(settings, ctx, device)  # (before the weights: a context that cannot fit stops here)
+    say(f"ladder: {plan.describe()}")
     loaded = settings.model.load(comm, device, exact=ctx is not None or settings.model.model is not None)
-    max_model_len = settings.max_model_len or loaded.model.config.max_seq_len
-    if max_model_len > loaded.model.config.max_seq_len:
-        raise LadderError(f"--max-model-len {max_model_len} exceeds the model's max_seq_len "
-                          f"{loaded.model.config.max_seq_len}")
-    return StepRunner(loaded.model, settings.max_batch, max_model_len, settings.decode_step), loaded
+    return StepRunner(loaded.model, plan.rows, plan.max_model_len, settings.decode_step), loaded
+
+
+def _kv_cache_plan(settings: ServeSettings, ctx: DistContext | None, device: torch.device) -> KvCachePlan:
+    """Rank 0's plan for every rank (they must agree on rows and context); its refusal on every rank.
+    A fraction of the memory available is shared by the ranks on this machine."""
+    decision: KvCachePlan | str
+    try:
+        config = settings.model.config()
+        if settings.max_model_len:
+            check_max_model_len(settings.max_model_len, config.max_seq_len)
+        setting = parse_memory_setting(settings.kv_cache_memory)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        budget = setting if isinstance(setting, int) else int(setting * memory_available_now(device) / local_ranks)
+        decision = plan_kv_cache(config, settings.model.tp, settings.model.torch_dtype(device).itemsize, budget,
+                                 settings.max_batch, settings.max_model_len)
+    except LadderError as exc:
+        decision = str(exc)
+    if ctx is not None:
+        decision = from_every_rank(decision)[0]
+    if isinstance(decision, str):
+        raise LadderError(decision)
+    return decision
 
 
 def _warm_up(runner: StepRunner) -> None:
@@ -151,10 +174,11 @@ def _engine(settings: ServeSettings, ctx: DistContext | None, state: ServerState
         world = ctx.world_size if ctx is not None else 1
         state.max_model_len, state.vocab_size = runner.max_model_len, loaded.model.config.vocab_size
         state.tokenizer = loaded.tokenizer
-        state.scheduler = Scheduler(runner, loaded.tokenizer, state.metrics, settings.max_batch, settings.max_waiting,
-                                    settings.prefill_chunk, None, world)
+        state.metrics.kv_cache_bytes.set(runner.cache_bytes)
+        state.scheduler = Scheduler(runner, loaded.tokenizer, state.metrics, runner.max_batch, settings.max_waiting,
+                                    settings.max_num_batched_tokens, None, world)
         say(f"ladder: serving {settings.name!r} on http://{settings.host}:{settings.port} (max batch "
-            f"{settings.max_batch}, context {runner.max_model_len})")
+            f"{runner.max_batch}, context {runner.max_model_len})")
         state.scheduler.run()
     except BaseException as exc:  # noqa: BLE001 (the HTTP server must stop too, and the error reach the CLI)
         message = str(exc).strip()
