@@ -26,11 +26,10 @@ from pathlib import Path
 import torch
 
 from ladder.bench.serve_load import StartedServer, free_port
-from ladder.checkpoint.hf import save_hf
+from ladder.checkpoint.hf import save_random_hf
 from ladder.comm.base import LocalCommunicator
 from ladder.config import get_preset
 from ladder.spec import ModelSpec
-from ladder.weights import export_hf_state_dict, random_model
 
 OUT = Path("results/vllm")
 FOLDERS = Path("runs/vllm-folders")  # git-ignored
@@ -43,8 +42,7 @@ def make_folders(link_scale: float) -> dict[str, Path]:
     folders = {}
     for layout in LAYOUTS:
         config = get_preset("llama-160m", layout=layout, vocab_size=tokenizer.vocab_size)
-        model = random_model(config, LocalCommunicator(), torch.device("cpu"))
-        folders[layout] = save_hf(FOLDERS / layout, config, export_hf_state_dict(model), tokenizer, force=True)
+        folders[layout] = save_random_hf(FOLDERS / layout, config, tokenizer, force=True)
     return folders
 
 

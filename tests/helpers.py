@@ -198,7 +198,7 @@ def reference_ladder_logits(model: Transformer, tokens: torch.Tensor, n_ladder: 
     (h_j(r_{j-1}) for standard ones), r_j = r_{j-1} + y_j, with r_0 = r_{-1} = embed. TP=1 only."""
     L = model.config.n_layers
     x = model.tok_embeddings(tokens)
-    rope = model.rope(torch.arange(tokens.shape[1]), x.dtype)
+    rope = model.rope(torch.arange(tokens.shape[1])[None], x.dtype)
     modules = []
     for layer in model.layers:
         modules.append(lambda r, layer=layer: layer.attention_branch(r, rope, None, None))

@@ -16,13 +16,13 @@ import httpx
 import pytest
 import torch
 
-from ladder.bench.serve_load import LoadSpec, draw_requests, load_tokenizer, wait_until_healthy
-from ladder.checkpoint.hf import save_hf
+from ladder.bench.serve_load import LoadSpec, draw_requests, load_tokenizer, server_followers, wait_until_healthy
+from ladder.checkpoint.hf import save_random_hf
 from ladder.comm.base import LocalCommunicator
 from ladder.config import get_preset
 from ladder.engine import Engine
 from ladder.errors import LadderError
-from ladder.weights import export_hf_state_dict, random_model
+from ladder.weights import random_model
 
 from helpers import free_port, ladder_cli
 
@@ -275,8 +275,7 @@ def test_bad_server_options_are_one_line_and_nonzero(args, message):
 def test_a_131072_position_model_serves_from_a_kv_budget_and_metrics_show_it(tmp_path):
     """Llama-3.1's context in the config: the cache holds what the budget holds, not rows x 131072."""
     config = get_preset("tiny", max_seq_len=131072)
-    folder = save_hf(tmp_path / "long", config, export_hf_state_dict(random_model(config, LocalCommunicator(),
-                                                                                  torch.device("cpu"))), None)
+    folder = save_random_hf(tmp_path / "long", config, None)
     server = Server("--model", str(folder), "--kv-cache-memory", "4MiB", "--max-batch", "4")
     per_position = 2 * config.n_layers * config.n_kv_heads * config.head_dim * 4
     context = 4 * 2**20 // 4 // per_position // 64 * 64
@@ -299,18 +298,6 @@ def test_a_context_the_kv_budget_cannot_hold_is_refused_in_one_line_before_the_w
     assert "loaded in" not in out.stderr
 
 
-def test_sigterm_during_a_stream_finishes_it_and_exits_0():
-    server = Server("--preset", "llama-160m", "--max-model-len", "256", "--shutdown-timeout", "20")
-    stream = server.client.completions.create(model=server.model, prompt=[1, 2, 3], max_tokens=60, stream=True)
-    chunks = iter(stream)
-    next(chunks)
-    server.proc.send_signal(signal.SIGTERM)
-    rest = list(chunks)
-    assert rest[-1].choices[0].finish_reason == "length"  # finished within the grace period
-    assert server.proc.wait(30) == 0
-    assert "server stopped" in server.proc.stderr.read()
-
-
 @pytest.mark.parametrize("decode_step", [[], ["--compile-layers", "--max-model-len", "64"]], ids=["eager", "compiled"])
 def test_tp2_on_gloo_answers_what_tp1_answers(decode_step):
     """Two gloo ranks, rank 0 sending each step's plan: the greedy tokens of the model at TP 1 (the tiny
@@ -328,33 +315,12 @@ def test_tp2_on_gloo_answers_what_tp1_answers(decode_step):
         assert server.stop() == 0
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if f"PPid:\t{pid}\n" in status.read_text():
-                found.append(int(status.parent.name))
-        except OSError:
-            continue
-    return found
-
-
-def _follower_pid(server: Server) -> int:
-    """The worker that is not rank 0. Workers are the children of the launcher's fork server (itself a
-    child of the command); rank 0 is the one holding the listening socket (found in /proc/net/tcp)."""
-    listening = next(line.split()[9] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
-                     if line.split()[1].endswith(f":{server.port:04X}") and line.split()[3] == "0A")
-    workers = [pid for child in _children(server.proc.pid) for pid in _children(child)]
-    others = [pid for pid in workers
-              if f"socket:[{listening}]" not in {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}]
-    assert len(workers) == 2 and len(others) == 1, (workers, others)
-    return others[0]
-
-
 def test_a_dead_rank_ends_the_server_non_zero_without_hanging():
     server = Server("--preset", "tiny", "--tp", "2", env={"LADDER_DIST_TIMEOUT": "20"})
     try:
-        os.kill(_follower_pid(server), signal.SIGKILL)
+        followers = server_followers(server.proc.pid, server.port)
+        assert len(followers) == 1, followers
+        os.kill(followers[0], signal.SIGKILL)
         try:
             status = complete(server, prompt=[1, 2, 3]).choices and 200
         except (openai.APIStatusError, openai.APIConnectionError) as exc:

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from ladder.bench.serve_load import StartedServer, free_port
-from ladder.checkpoint.hf import save_hf
+from ladder.checkpoint.hf import save_hf, save_random_hf
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.config import get_preset
 from ladder.engine import Engine
 from ladder.spec import ModelSpec
-from ladder.weights import export_hf_state_dict, random_model
+from ladder.weights import export_hf_state_dict
 
 from helpers import in_flight_at_each_wait
 
@@ -32,7 +32,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not
 
 CPU = torch.device("cpu")
 RUNNER = Path(__file__).with_name("vllm_runner.py")
-SMOLLM_LAYOUTS = {"standard": ("standard", None), "hybrid-8": ("ladder", 8), "ladder": ("ladder", None)}
+# The fully ladder layout runs through the tiny TP-2 model (a real checkpoint made all-ladder without
+# adaptation repeats one token: it tells little, for a vLLM engine's 10 s of the suite).
+SMOLLM_LAYOUTS = {"standard": ("standard", None), "hybrid-8": ("ladder", 8)}
 NEW_TOKENS = 12
 
 
@@ -56,7 +58,7 @@ def ladder_greedy(folder: Path, prompt_ids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct as `ladder convert` writes it in three layouts, a prompt, and ladder's greedy
+    """SmolLM2-135M-Instruct as `ladder convert` writes it in two layouts, a prompt, and ladder's greedy
     tokens for each (the question asked of vLLM)."""
     root = tmp_path_factory.mktemp("smollm2")
     folders = {}
@@ -72,8 +74,8 @@ def smollm2(tmp_path_factory):
 
 def tiny_folder(root: Path, layout: str) -> Path:
     """A tiny random model (head_dim 64: vLLM's CPU attention has kernels for 32, 64, 80... only)."""
-    model = random_model(get_preset("tiny", layout=layout, dim=256, n_heads=4, n_kv_heads=2), LocalCommunicator(), CPU)
-    return save_hf(root / f"tiny-{layout}", model.config, export_hf_state_dict(model), TextTokenizer.bytes())
+    config = get_preset("tiny", layout=layout, dim=256, n_heads=4, n_kv_heads=2)
+    return save_random_hf(root / f"tiny-{layout}", config, TextTokenizer.bytes())
 
 
 TINY_PROMPT = [72, 101, 108, 108, 111]
@@ -81,7 +83,7 @@ TINY_PROMPT = [72, 101, 108, 108, 111]
 
 @pytest.fixture(scope="module")
 def at_tp1(smollm2, tmp_path_factory):
-    """SmolLM2's three folders, a tiny parallel-layout model (a checkpoint trained with two norms a layer
+    """SmolLM2's two folders, a tiny parallel-layout model (a checkpoint trained with two norms a layer
     cannot become parallel) and a desync folder, in one process."""
     folders, prompt, expected = smollm2
     root = tmp_path_factory.mktemp("tp1")
@@ -102,7 +104,7 @@ def test_vllm_greedy_tokens_are_ladders_at_tp1(at_tp1, name):
 def test_a_standard_folder_stays_vllms_own_llama_and_a_ladder_folder_is_the_plugins(at_tp1):
     results, _ = at_tp1
     assert results["standard"]["model"] == "LlamaForCausalLM"
-    assert {results[name]["model"] for name in ("hybrid-8", "ladder", "tiny-parallel")} == {"LadderLlamaForCausalLM"}
+    assert {results[name]["model"] for name in ("hybrid-8", "tiny-parallel")} == {"LadderLlamaForCausalLM"}
 
 
 def test_a_desync_folder_is_refused_in_one_line(at_tp1):

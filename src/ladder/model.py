@@ -61,7 +61,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the Hugging Face ("rotate half") layout. x: (B, H, T, hd), cos/sin: (T, hd)."""
+    """Rotary embedding in the Hugging Face ("rotate half") layout. x: (B, H, T, hd), cos/sin: (B, 1, T, hd)."""
     return x * cos + rotate_half(x) * sin
 
 
@@ -77,17 +77,12 @@ class KVCache(nn.Module):
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: slice | None = None,
                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, n_kv, T, hd) at positions `input_pos`, the same (T,) for every row or each row's
-        own (B, T), into cache rows `rows` (default: the first B); return those rows' first `kv_len` keys
-        and values (default: all)."""
+        """Write k, v (B, n_kv, T, hd) at each row's positions `input_pos` (B, T) into cache rows `rows`
+        (default: the first B); return those rows' first `kv_len` keys and values (default: all)."""
         rows = rows if rows is not None else slice(0, k.shape[0])
-        if input_pos.dim() == 1:
-            self.k[rows, :, input_pos] = k
-            self.v[rows, :, input_pos] = v
-        else:  # continuous batching: every request at its own position
-            row_index = torch.arange(rows.start, rows.stop, device=k.device)[:, None]  # (B, 1)
-            self.k[row_index, :, input_pos] = k.transpose(1, 2)  # indexed (B, T, n_kv, hd)
-            self.v[row_index, :, input_pos] = v.transpose(1, 2)
+        row_index = torch.arange(rows.start, rows.stop, device=k.device)[:, None]  # (B, 1)
+        self.k[row_index, :, input_pos] = k.transpose(1, 2)  # indexed (B, T, n_kv, hd)
+        self.v[row_index, :, input_pos] = v.transpose(1, 2)
         return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
 
     def move_row(self, source: int, target: int, length: int) -> None:
@@ -242,35 +237,32 @@ class Transformer(nn.Module):
                 setattr(layer, name, torch.compile(branch, fullgraph=True, dynamic=False))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (T, hd) of positions (T,); of per-row positions (B, T): (B, 1, T, hd), one per row."""
-        freqs = positions.float()[..., None] * self.inv_freq  # (..., T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, hd)
-        if positions.dim() == 2:
-            emb = emb[:, None]  # broadcast over heads
+        """cos, sin (B, 1, T, hd) of each row's positions (B, T), to broadcast over heads."""
+        freqs = positions.float()[..., None] * self.inv_freq  # (B, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     # ---- forward ---------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
                 last_only: bool = False, rows: slice | None = None, kv_len: int | None = None) -> torch.Tensor:
-        """tokens (B, T); input_pos (T,) cache positions, or None for a cache-free causal forward.
-        Continuous batching (`ladder.serve`) gives each row its own positions, input_pos (B, T), in KV-cache
-        rows `rows` (default: the first B), attending to the first `kv_len` cache positions only.
+        """tokens (B, T); input_pos: each row's cache positions (B, T) (a (T,) vector stands for every
+        row's), or None for a cache-free causal forward. The rows are KV-cache rows `rows` (default: the
+        first B), and attend to the first `kv_len` cache positions only (continuous batching, `ladder.serve`).
         `last_only`: logits of the last position only, (B, 1, vocab), all that sampling needs after a
         prefill (the head over every prompt position would cost batch x prompt x vocab x dim x 2 FLOPs
         and as many logits in memory: 17 GB for Llama-3 at batch 64, prompt 1024, bf16)."""
         B, T = tokens.shape
         r = self.tok_embeddings(tokens)  # (B, T, dim)
-        positions = input_pos if input_pos is not None else torch.arange(T, device=tokens.device)
+        positions = (input_pos if input_pos is not None else torch.arange(T, device=tokens.device)).expand(B, T)
         rope = self.rope(positions, r.dtype)
         mask = None
         if input_pos is not None:
             if self.max_seq == 0:
                 raise RuntimeError("call setup_caches() before a forward with input_pos")
+            input_pos = positions
             key_pos = torch.arange(kv_len or self.max_seq, device=tokens.device)
-            mask = key_pos <= input_pos[..., None]  # (T, S) or (B, T, S): a query sees keys up to its position
-            if mask.dim() == 3:
-                mask = mask[:, None]  # (B, 1, T, S): per row, for every head
+            mask = (key_pos <= positions[..., None])[:, None]  # (B, 1, T, S): a query sees keys up to its position
 
         layout = self.config.layout
         if layout == "parallel":

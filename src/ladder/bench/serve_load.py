@@ -12,6 +12,7 @@ vocabulary holds.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import shlex
 import socket
@@ -21,6 +22,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ladder.bench.summary import percentiles
@@ -183,6 +185,28 @@ def wait_until_healthy(url: str, processes: list[subprocess.Popen], timeout_s: f
             pass
         time.sleep(0.2)
     raise LadderError(f"the server was not healthy after {timeout_s:.0f} s")
+
+
+def server_followers(launcher_pid: int, port: int) -> list[int]:
+    """The processes of a `ladder serve` launcher's ranks other than 0: its workers are the children of
+    its fork server (itself a child of the launcher), and rank 0 is the one that holds the listening
+    socket (found in /proc/net/tcp)."""
+    listening = next(line.split()[9] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                     if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A")
+    workers = [pid for child in _children(launcher_pid) for pid in _children(child)]
+    return [pid for pid in workers
+            if f"socket:[{listening}]" not in {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"PPid:\t{pid}\n" in status.read_text():
+                found.append(int(status.parent.name))
+        except OSError:
+            continue
+    return found
 
 
 class StartedServer:

@@ -19,9 +19,10 @@ from safetensors.torch import save_file
 from ladder.checkpoint.base import Checkpoint, check_shapes
 from ladder.checkpoint.hf_config import REMOTE_CODE_FILES, config_to_hf, model_card, read_hf_config
 from ladder.checkpoint.tokenizer import TextTokenizer
+from ladder.comm.base import LocalCommunicator
 from ladder.config import ModelConfig
 from ladder.errors import LadderError, check_creatable
-from ladder.weights import ALL, Slice
+from ladder.weights import ALL, Slice, export_hf_state_dict, random_model
 
 class SafetensorsSource:
     """Tensors of one or more .safetensors files, read slice by slice."""
@@ -147,3 +148,11 @@ def save_hf(out: Path, config: ModelConfig, tensors: dict[str, torch.Tensor], to
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def save_random_hf(out: Path, config: ModelConfig, tokenizer: TextTokenizer | None, seed: int = 0,
+                   force: bool = False) -> Path:
+    """A folder of seeded random weights in `config`'s shape (`save_hf`): a model for tests and
+    experiments that need a checkpoint of a shape no pretrained file has."""
+    model = random_model(config, LocalCommunicator(), torch.device("cpu"), seed=seed)
+    return save_hf(out, config, export_hf_state_dict(model), tokenizer, force=force)

@@ -25,7 +25,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # vLLM: -1 or 0 mean off
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what a torch generator takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

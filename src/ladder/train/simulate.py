@@ -75,7 +75,7 @@ class SimulatedRanks(nn.Module):
         all-reduce written out: reduced module r = sum_k (h_k(r_k) + r_k / tp), else r_k = r_k + h_k(r_k)."""
         model, config = self.model, self.model.config
         r = model.tok_embeddings(tokens)  # (B, T, dim)
-        rope = model.rope(torch.arange(tokens.shape[1], device=tokens.device), r.dtype)
+        rope = model.rope(torch.arange(tokens.shape[1], device=tokens.device)[None], r.dtype)  # every row alike
         weights = self._rank_layer_weights()
         streams = [r] * self.tp  # rank k's residual stream
         for j in range(2 * config.n_layers):

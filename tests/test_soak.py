@@ -1,0 +1,30 @@
+"""experiments/soak.py in its short mode: 300 mixed requests (streamed or not, sampled or greedy, chats and
+completions, clients that disconnect, bursts above --max-waiting) against a real server, then SIGTERM
+under load. (A rank killed under load: tests/test_serve.py's dead-rank test; the full run: results/serve/soak.md.)"""
+
+import importlib.util
+from pathlib import Path
+
+SOAK = Path(__file__).parents[1] / "experiments" / "soak.py"
+
+
+def load_soak():
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_soak_short_mode_serves_every_request_cuts_no_stream_and_stops_cleanly(tmp_path):
+    soak = load_soak()
+    folder = soak.write_model(tmp_path / "model")
+    result, sigterm = soak.run(folder, [1], 300, 12)
+    assert result["requests"] == 300  # 252 in rounds of 12, then a burst of 48
+    assert set(result["by_status"]) <= {"200", "503 server_overloaded"}, result["by_status"]
+    assert result["served"] >= 300 - 48 and result["by_status"].get("503 server_overloaded", 0) > 0
+    assert result["streams_cut"] == 0 and result["disconnected"] > 0
+    assert result["exit_code"] == 0 and result["tracebacks_in_log"] == 0
+    # A short run is mostly warm-up (the first burst grows the allocator's pools): the 5 % bound is the
+    # full run's (results/serve/soak.md); this one catches a leak per request.
+    assert result["rss_growth"] < 0.15, result
+    assert sigterm["finished_or_error"] == sigterm["streams"] == 16 and sigterm["exit_code"] == 0
