@@ -17,7 +17,8 @@ each TP degree:
 
     .venv/bin/python experiments/soak.py [--requests 3000] [--tps 1,2] [--short]
 
-Writes results/serve/soak.jsonl and soak.md (`--short`: 300 requests, no files, as the test suite runs it).
+Writes results/serve/soak.jsonl and soak.md (`--short`: 200 requests, a burst after 150, TP 1, no files:
+what the test suite runs).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ladder.config import get_preset
 OUT = Path("results/serve")
 MODEL_NAME = "soak"
 DIST_TIMEOUT_S = 20
+SHORT = (200, 12, 150)  # requests, in flight, a burst after: the test suite's run
 
 
 def write_model(folder: Path) -> Path:
@@ -149,17 +151,18 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict, disconne
     return record
 
 
-async def soak(server: Server, n_requests: int, concurrency: int, seed: int) -> tuple[list[dict], int, int]:
+async def soak(server: Server, n_requests: int, concurrency: int, seed: int,
+               burst_every: int = 250) -> tuple[list[dict], int, int]:
     rng = random.Random(seed)
     records: list[dict] = []
     warm_rss = 0
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
     async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
-        sent, next_burst = 0, 250
+        sent, next_burst = 0, burst_every
         while sent < n_requests:
             size = concurrency
             if sent >= next_burst:  # a burst above --max-waiting
-                size, next_burst = 48, next_burst + 250
+                size, next_burst = 48, next_burst + burst_every
             batch = [random_request(rng) for _ in range(min(size, n_requests - sent))]
             records += await asyncio.gather(*(one_request(client, *r) for r in batch))
             sent += len(batch)
@@ -214,12 +217,12 @@ def fault_killed_rank(folder: Path) -> dict:
         "last_end_s": max(r["e2e_s"] for r in ends), "exit_code": code}
 
 
-def run(folder: Path, tps: list[int], n_requests: int, concurrency: int) -> list[dict]:
+def run(folder: Path, tps: list[int], n_requests: int, concurrency: int, burst_every: int = 250) -> list[dict]:
     rows = []
     for tp in tps:
         server = Server(folder, tp)
         try:
-            result = summarise(tp, *asyncio.run(soak(server, n_requests, concurrency, seed=tp)))
+            result = summarise(tp, *asyncio.run(soak(server, n_requests, concurrency, tp, burst_every)))
         finally:
             code, said = server.stop()
         rows.append({**result, "exit_code": code, "tracebacks_in_log": said.count("Traceback")})
@@ -255,13 +258,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--tps", default="1,2")
-    parser.add_argument("--short", action="store_true", help="300 requests, nothing written")
+    parser.add_argument("--short", action="store_true", help="200 requests at TP 1, nothing written")
     args = parser.parse_args()
     folder = write_model(Path("runs/soak-model"))
-    rows = run(folder, [int(t) for t in args.tps.split(",")], 300 if args.short else args.requests, args.concurrency)
     if args.short:
+        rows = run(folder, [1], *SHORT)
         print(json.dumps(rows, indent=1))
         return
+    rows = run(folder, [int(t) for t in args.tps.split(",")], args.requests, args.concurrency)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "soak.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     write_summary(rows)

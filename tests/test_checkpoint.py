@@ -85,10 +85,10 @@ def test_chat_template_renders_like_transformers(smollm, reference):
     assert ours.endswith("<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_chat_answer_contains_paris(tp):
+def test_chat_answer_contains_paris_at_tp2():
+    """(At TP 1 the same answer is the server's and vLLM's reference: tests/test_serve.py, test_vllm.py.)"""
     out = ladder_cli("generate", "--model", SMOLLM, "--chat", "What is the capital of France?",
-                     "--max-new-tokens", "20", "--tp", str(tp))
+                     "--max-new-tokens", "20", "--tp", "2")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert "loaded in" in out.stderr and "GGUF" in out.stderr
