@@ -236,7 +236,7 @@ def write_summary(rows: list[dict]) -> None:
     soaks = [r for r in rows if "fault" not in r]
     faults = [r for r in rows if "fault" in r]
     lines = ["| TP | requests | served (200) | answers by status and cause | streams cut | disconnected | TTFT p99 (ms) | "
-             "E2E p99 (ms) | RSS after warm-up / end (MB) | growth | tracebacks |", "|---|" * 11]
+             "E2E p99 (ms) | RSS after warm-up / end (MB) | growth | tracebacks |", "|" + "---|" * 11]
     for r in soaks:
         causes = ", ".join(f"{k}: {v}" for k, v in sorted(r["by_status"].items()))
         lines.append(f"| {r['tp']} | {r['requests']} | {r['served']} | {causes} | {r['streams_cut']} | "
