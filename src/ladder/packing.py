@@ -3,8 +3,8 @@
 `F.linear` on CPU calls MKL's sgemm, which re-reads the weight in its stored layout every call; oneDNN
 reorders it once into the layout its kernels stream (vLLM's CPU backend does the same). A decode step
 reads every weight once and computes little, so this is most of its time: SmolLM2's linear layers at
-batch 8 took 67 ms with `F.linear` and 36 ms packed on a 2-core AVX2 EPYC (batch 1: 41 and 24 ms;
-a 512-token prefill: the same). Packed weights serve inference only: no gradients, no state_dict, and
+batch 8 took 83 ms with `F.linear` and 36 ms packed on a 2-core AVX2 EPYC (batch 1: 39 and 23 ms;
+batch 64: 199 and 136 ms; experiments/investigations/packed_linear.py). Packed weights serve inference only: no gradients, no state_dict, and
 a tied output head gets its own packed copy (the embedding keeps the original). A compiled step needs
 plain weights (inductor lays them out itself): `weights_for_step` packs or unpacks a model, in place.
 """
