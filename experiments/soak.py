@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from ladder.bench.serve_load import free_port, server_followers, wait_until_healthy
+from ladder.bench.serve_load import descendants, free_port, server_followers, wait_until_healthy
 from ladder.checkpoint.hf import save_random_hf
 from ladder.checkpoint.resolve import open_checkpoint
 from ladder.config import get_preset
@@ -82,15 +82,6 @@ class Server:
     def resident_bytes(self) -> int:
         return sum(resident_bytes(pid) for pid in self.processes())
 
-
-
-def descendants(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
-    return children + [d for c in children for d in descendants(c)]
 
 
 def resident_bytes(pid: int) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ladder.bench.serve_load import free_port
+from ladder.bench.serve_load import descendants, free_port  # noqa: F401 (descendants: for the tests)
 from ladder.config import ModelConfig, get_preset
 from ladder.comm.base import Communicator, Handle, LocalCommunicator
 from ladder.comm.distributed import init_distributed, shutdown_distributed
@@ -73,16 +73,6 @@ def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Se
 def ladder_lines(stderr: str, prefix: str = "ladder:") -> list[str]:
     """What ladder itself said on stderr ("ladder: ..."), without torchrun's and torch's lines."""
     return [line for line in stderr.splitlines() if line.startswith(prefix)]
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes `pid` started, and theirs (TP workers are forked by a fork server: grandchildren)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(p) for p in f.read().split()]
-    except FileNotFoundError:  # ended meanwhile
-        return []
-    return children + [d for c in children for d in descendants(c)]
 
 
 def has_loaded_torch(pid: int) -> bool:

@@ -198,6 +198,16 @@ def server_followers(launcher_pid: int, port: int) -> list[int]:
             if f"socket:[{listening}]" not in {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}]
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs (TP workers are forked by a fork server: grandchildren)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except FileNotFoundError:  # ended meanwhile
+        return []
+    return children + [d for c in children for d in descendants(c)]
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
