@@ -198,17 +198,17 @@ class Scheduler:
         now = time.perf_counter()
         rows = self.running[:len(plan.decode_tokens)]
         logits = [decoded] if decoded is not None else []
-        complete = []  # the chunks that end their prompt: a prefix of the prefilling requests (see `_plan`)
-        for i, (chunk, s) in enumerate(zip(plan.prefill, self.prefilling)):
+        complete = 0  # the chunks that end their prompt: the first ones (see `_plan`)
+        for chunk, s in zip(plan.prefill, self.prefilling):
             s.prefilled += len(chunk.tokens)
             if s.prefilled == len(s.prompt):
-                complete.append(i)
+                complete += 1
                 self.metrics.time_to_first_token.observe(now - s.arrival)
         if complete:
-            assert prefilled is not None and complete == list(range(len(complete)))
-            joined, self.prefilling = self.prefilling[:len(complete)], self.prefilling[len(complete):]
+            assert prefilled is not None and all(s.prefilled == len(s.prompt) for s in self.prefilling[:complete])
+            joined, self.prefilling = self.prefilling[:complete], self.prefilling[complete:]
             self.running += joined  # their rows follow the running ones already
-            rows, logits = [*rows, *joined], [*logits, prefilled[:len(complete)]]
+            rows, logits = [*rows, *joined], [*logits, prefilled[:complete]]
         if rows:
             batch = SamplingBatch.of([s.params.sampling for s in rows], [s.generator for s in rows],
                                      logits[0].shape[-1], logits[0].device)
