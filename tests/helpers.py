@@ -17,6 +17,7 @@ from ladder.config import ModelConfig, get_preset
 from ladder.comm.base import Communicator, Handle, LocalCommunicator
 from ladder.comm.distributed import init_distributed, shutdown_distributed
 from ladder.model import Transformer
+from ladder.quantize import quantize_shard
 from ladder.weights import random_model
 
 CPU = torch.device("cpu")
@@ -109,9 +110,24 @@ def tiny(**changes) -> ModelConfig:
     return get_preset("tiny").replace(**changes) if changes else get_preset("tiny")
 
 
+# Weight-only quantization's error on logits, relative (Frobenius), reasoned for Gaussian weights: int8's
+# per-row step is max|w| / 127 (about 2.6 sigma / 127 on rows of 64 to 160), a uniform error of about
+# 0.6 % of sigma; int4's asymmetric step over a group of 32 is its range / 15 (about 4 sigma / 15), about 8 %.
+# The tiny model's logits measured 0.5 % (int8) and 6 % (int4), 0.8 % and 6.4 % in bf16; the bounds leave
+# a factor of two or more, and a wrong scale, a transposed group or other weights give errors of order 1.
+INT8_RELATIVE_ERROR = 0.02
+INT4_RELATIVE_ERROR = 0.15
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected.float()).norm() / expected.float().norm())
+
+
 def make_model(config: ModelConfig, comm: Communicator | None = None, seed: int = 0,
-               shard_vocab: bool = False) -> Transformer:
-    return random_model(config, comm or LocalCommunicator(), CPU, seed=seed, shard_vocab=shard_vocab).eval()
+               shard_vocab: bool = False, quantize: str | None = None) -> Transformer:
+    model = random_model(config, comm or LocalCommunicator(), CPU, seed=seed, shard_vocab=shard_vocab).eval()
+    quantize_shard(model, quantize)  # this rank's shard, after sharding (as ModelSpec.load does)
+    return model
 
 
 class RecordingCommunicator:
@@ -212,19 +228,21 @@ def cached_logits(model: Transformer, prompt: torch.Tensor, decode_tokens: torch
     return out
 
 
-def tp_worker(cases: list[tuple[ModelConfig, bool]], prompt: torch.Tensor, decode_tokens: torch.Tensor
+def tp_worker(cases: list[tuple[ModelConfig, bool, str | None]], prompt: torch.Tensor, decode_tokens: torch.Tensor
               ) -> dict[str, object]:
-    """Runs on each TP rank: cached logits of every case, plus the recorded schedule of a ladder model."""
+    """Runs on each TP rank: cached logits of every case (config, shard_vocab, quantize), plus the
+    recorded schedules of ladder, standard and hybrid models, and of ladder quantized."""
     ctx = init_distributed("cpu", timeout_s=120)
     try:
         comm = ctx.communicator()
-        logits = [cached_logits(make_model(config, comm, shard_vocab=sv), prompt, decode_tokens)
-                  for config, sv in cases]
+        logits = [cached_logits(make_model(config, comm, shard_vocab=sv, quantize=q), prompt, decode_tokens)
+                  for config, sv, q in cases]
         schedules = {}
-        for name, config in [("ladder", tiny(layout="ladder")), ("standard", tiny()),
-                             ("hybrid", tiny(layout="ladder", ladder_layers=2))]:
+        for name, config, quantize in [("ladder", tiny(layout="ladder"), None), ("standard", tiny(), None),
+                                       ("hybrid", tiny(layout="ladder", ladder_layers=2), None),
+                                       ("ladder int4", tiny(layout="ladder", ffn_hidden=128), "int4")]:
             recorder = RecordingCommunicator(comm)
-            model = make_model(config, recorder)
+            model = make_model(config, recorder, quantize=quantize)
             recorder.attach(model)
             with torch.inference_mode():
                 model(prompt)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from helpers import cached_logits, make_model, overlapped_modules, tiny, tp_worker
+from helpers import INT8_RELATIVE_ERROR, cached_logits, make_model, overlapped_modules, relative_error, tiny, tp_worker
 from ladder.comm.launch import launch
 from ladder.train.simulate import SimulatedRanks
 
@@ -18,6 +18,7 @@ ATOL = 2e-5
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
 DECODE = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(4))
 
+QUANTIZABLE = dict(ffn_hidden=128)  # int4 groups of 32 columns divide each rank's 64 and 32 (tiny's 160 does not)
 CASES = {
     "standard": (tiny(), False),
     "parallel": (tiny(layout="parallel"), False),
@@ -35,6 +36,19 @@ CASES = {
     "upper-bound": (tiny(layout="upper-bound"), False),
     "desync, uneven KV groups": (tiny(dim=96, n_heads=6, n_kv_heads=3, layout="desync"), False),
 }
+# Each rank quantizes its own shard (ladder.quantize). int4's groups of 32 input columns fall inside a
+# shard, so a rank's groups are the whole model's and TP=2 computes what TP=1 int4 does (ATOL);
+# int8's per-row scales of the row-parallel layers are per rank's half row, so TP=2 int8 is another
+# (finer) quantization, held to the unquantized model by test_quantize's tolerance instead.
+QUANTIZED = {
+    "standard int4": (tiny(**QUANTIZABLE), False, "int4"),
+    "ladder int4": (tiny(layout="ladder", **QUANTIZABLE), False, "int4"),
+    "hybrid int4": (tiny(layout="ladder", ladder_layers=2, **QUANTIZABLE), False, "int4"),
+    "parallel int4": (tiny(layout="parallel", **QUANTIZABLE), False, "int4"),
+    "ladder int8": (tiny(layout="ladder", **QUANTIZABLE), False, "int8"),
+    "desync int8": (tiny(layout="desync", **QUANTIZABLE), False, "int8"),
+}
+ALL_CASES = [(*case, None) for case in CASES.values()] + list(QUANTIZED.values())
 PER_TP = ("desync, default pattern", "upper-bound", "desync, uneven KV groups")  # defined per TP degree
 # At TP=2 these compare against a *different* TP=1 model (by design of layouts.md):
 EXPECTED_AT_TP1 = {"desync, every module reduced": tiny()}
@@ -42,7 +56,7 @@ EXPECTED_AT_TP1 = {"desync, every module reduced": tiny()}
 
 @pytest.fixture(scope="module")
 def tp2():
-    results = launch(tp_worker, 2, list(CASES.values()), PROMPT, DECODE)
+    results = launch(tp_worker, 2, ALL_CASES, PROMPT, DECODE)
     assert sorted(results) == [0, 1]
     return results
 
@@ -61,6 +75,28 @@ def test_tp2_equals_tp1(tp2, name):
         assert len(got) == 1 + DECODE.shape[1]  # prefill and every decode step
         for step_got, step_expected in zip(got, expected):
             torch.testing.assert_close(step_got, step_expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", [name for name in QUANTIZED if "int4" in name])
+def test_int4_at_tp2_equals_int4_at_tp1(tp2, name):
+    config, _, mode = QUANTIZED[name]
+    expected = cached_logits(make_model(config, quantize=mode), PROMPT, DECODE)
+    for rank in (0, 1):
+        for step_got, step_expected in zip(tp2[rank]["logits"][len(CASES) + list(QUANTIZED).index(name)], expected):
+            torch.testing.assert_close(step_got, step_expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", [name for name in QUANTIZED if "int8" in name])
+def test_int8_at_tp2_is_within_int8s_error_of_the_unquantized_model(tp2, name):
+    config, _, _ = QUANTIZED[name]
+    if config.layout == "desync":  # defined per TP degree: its TP=2 reference is the simulated ranks
+        with torch.no_grad():
+            expected = [SimulatedRanks(make_model(config), tp=2)(PROMPT)]
+    else:
+        expected = cached_logits(make_model(config), PROMPT, DECODE)
+    got = tp2[0]["logits"][len(CASES) + list(QUANTIZED).index(name)]
+    for step_got, step_expected in zip(got, expected):
+        assert relative_error(step_got, step_expected) < INT8_RELATIVE_ERROR
 
 
 @pytest.mark.parametrize("name", ["desync, default pattern", "upper-bound"])
@@ -101,6 +137,7 @@ def test_real_gloo_schedule_overlaps_ladder_only(tp2):
         assert not any(overlapped_modules(schedules["standard"]))
         hybrid = overlapped_modules(schedules["hybrid"])  # ladder on the last 2 of 4 layers
         assert hybrid == [j >= 3 for j in range(len(hybrid))]  # and the last standard MLP (module 3)
+        assert all(overlapped_modules(schedules["ladder int4"]))  # quantized weights keep the schedule
 
 
 def _gloo_threads_after_shutdown() -> tuple[int, int, int]:

@@ -10,19 +10,18 @@ import torch
 
 from ladder.config import ModelConfig, ShardShape
 from ladder.errors import LadderError
+from ladder.quantize import bytes_per_weight
 
 MEMORY_USABLE = 0.9  # of a device's memory; the rest is the allocator's, CUDA's and the graphs' own
 
 
 def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: int, seq: int, dtype_bytes: int,
-                          models: int = 1, weight_sets: int = 1) -> int:
+                          models: int = 1, weight_sets: int = 1, quantize: str | None = None) -> int:
     """One rank's weights (shared by the `models` models: one set, unless `weight_sets` says otherwise),
     the KV cache of each model, and the largest activation (one model runs at a time: the prefill's),
     in bytes, for rank 0 (which holds the most heads when they do not divide evenly). tests/test_bench.py
     holds it to the peaks measured on an H100."""
     shard = ShardShape.of(config, 0, tp)
-    vocab_weights = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)  # whole on every rank
-    weights = (config.n_params() - vocab_weights) / tp + vocab_weights
     kv_cache = kv_cache_bytes(config, shard.n_kv_heads, batch, seq, 1)
     # The prefill of one layer: its inputs, norms and outputs (dim wide), the MLP's gate, up and product
     # (ffn / tp wide), and the attention scores in case SDPA takes its math path; then the logits of the
@@ -31,7 +30,26 @@ def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: 
     activations = (tokens * (4 * config.dim + 3 * shard.ffn_hidden)
                    + batch * shard.n_heads * prompt_len * seq
                    + batch * config.vocab_size * 4 // dtype_bytes)
-    return int((weight_sets * weights + models * kv_cache + activations) * dtype_bytes)
+    weights = weight_set_bytes(config, tp, dtype_bytes, quantize)
+    return int(weight_sets * weights + (models * kv_cache + activations) * dtype_bytes)
+
+
+def weight_set_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str | None = None) -> float:
+    """One rank's weights: the block linears split by `tp` (quantized, when asked, at their bytes per
+    weight with scales), the vocabulary tables whole on every rank, in the model's dtype."""
+    vocab_weights = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
+    linears = block_linear_params(config)
+    rest = config.n_params() - linears - vocab_weights  # the norms
+    per_weight = bytes_per_weight(quantize, dtype_bytes, row_width=config.dim)  # most rows are dim wide
+    return (linears * per_weight + rest * dtype_bytes) / tp + vocab_weights * dtype_bytes
+
+
+def block_linear_params(config: ModelConfig) -> int:
+    """The weights of every block's linear layers (QKV, attention output, gate/up, down): what
+    `--quantize` quantizes."""
+    kv_dim = config.n_kv_heads * config.head_dim
+    attention = config.dim * (config.dim + 2 * kv_dim) + config.dim * config.dim
+    return config.n_layers * (attention + 3 * config.dim * config.ffn_hidden)
 
 
 def kv_cache_bytes(config: ModelConfig, kv_heads: int, batch: int, positions: int, dtype_bytes: int,

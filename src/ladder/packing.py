@@ -18,6 +18,7 @@ from torch import nn
 
 from ladder.decode_step import DecodeStep
 from ladder.model import Attention, FeedForward, Transformer
+from ladder.quantize import is_quantized, tensor_bytes
 
 
 class PackedLinear(nn.Module):
@@ -67,13 +68,19 @@ def weights_for_step(model: Transformer, step: DecodeStep) -> bool:
 def weight_bytes(model: Transformer) -> int:
     """The bytes of this rank's weights, packed or not, a tied head's table counted once (as plain)."""
     tensors = [*model.parameters(), *(m.packed for m in model.modules() if isinstance(m, PackedLinear))]
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    total = sum(tensor_bytes(t) for t in tensors)
     if isinstance(model.output, PackedLinear) and model.config.tie_embeddings and not model.shard_vocab:
         total -= model.output.packed.numel() * model.output.packed.element_size()  # the table's packed copy
     return total
 
 
+def _unless_quantized(convert, linear: nn.Module) -> nn.Module:
+    return linear if is_quantized(linear) else convert(linear)
+
+
 def _convert_linears(model: Transformer, convert) -> None:
+    """Convert every plain linear layer (quantized ones keep torchao's layout and kernels)."""
+    convert = functools.partial(_unless_quantized, convert)
     for module in list(model.modules()):
         if isinstance(module, Attention):
             module.wqkv, module.wo = convert(module.wqkv), convert(module.wo)

@@ -19,9 +19,11 @@ from ladder.checkpoint.hf_config import config_from_hf
 from ladder.checkpoint.resolve import open_checkpoint, resolve_model
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import Communicator
+from ladder.comm.distributed import pick_device
 from ladder.config import DTYPE_BYTES, ModelConfig, default_dtype, get_preset
 from ladder.errors import LadderError
 from ladder.model import Transformer
+from ladder.quantize import check_quantize, quantize_shard
 from ladder.weights import build_model, load_weights, random_model
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
@@ -79,6 +81,7 @@ class ModelSpec:
     dtype: str | None = None
     shard_vocab: bool = False
     seed: int = 0
+    quantize: str | None = None  # "int8" or "int4" weight-only (ladder.quantize), applied to each shard
 
     @property
     def label(self) -> str:
@@ -115,6 +118,7 @@ class ModelSpec:
             except json.JSONDecodeError as exc:
                 raise LadderError(f"{config_file} is not valid JSON ({exc})") from None
         config.check_run_tp(self.tp)
+        check_quantize(self.quantize, pick_device(self.device).type, self.torch_dtype(pick_device(self.device)))
         return config
 
     def dtype_name(self, device: torch.device) -> str:
@@ -139,10 +143,12 @@ class ModelSpec:
         if self.model is None:
             model = random_model(config, comm, device, dtype, seed=self.seed, shard_vocab=self.shard_vocab,
                                  exact=exact)
+            quantize_shard(model, self.quantize)
             return LoadedModel(model.eval(), None, True, time.perf_counter() - start, "random")
         opened = checkpoint(self.model)
         model = build_model(config, comm, device, dtype, shard_vocab=self.shard_vocab)
         load_weights(model, opened.source)
+        quantize_shard(model, self.quantize)
         return LoadedModel(model.eval(), opened.tokenizer, False, time.perf_counter() - start, opened.format)
 
     def describe(self, loaded: LoadedModel) -> str:

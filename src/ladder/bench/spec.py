@@ -10,12 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ladder.comm.distributed import pick_device
 from ladder.comm.launch import check_launchable, under_torchrun
 from ladder.comm.links import LinkModel
 from ladder.config import ModelConfig, layout_variants
 from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError
+from ladder.quantize import check_quantize
 from ladder.spec import ModelSpec
 
 INTERLEAVE_MODES = ("runs", "steps")
@@ -39,6 +42,7 @@ class BenchPoint:
     runs: int = 3
     device: str = "auto"
     dtype: str | None = None
+    quantize: str | None = None  # "int8" or "int4" weight-only (ladder.quantize)
     decode_step: DecodeStep = DecodeStep.EAGER
     seed: int = 0
     top_k: int = 200
@@ -60,7 +64,7 @@ class BenchPoint:
         """The model this point measures (random weights are drawn in each rank's shard: see `ModelSpec.load`)."""
         return ModelSpec(preset=self.preset, model=self.checkpoint, layout=self.layout,
                          ladder_layers=self.ladder_layers, tp=self.tp, device=self.device, dtype=self.dtype,
-                         seed=self.seed)
+                         seed=self.seed, quantize=self.quantize)
 
     @property
     def interconnect(self) -> str:
@@ -113,6 +117,7 @@ def _check_links(points: Sequence[BenchPoint]) -> None:
 
 def _check_point(point: BenchPoint, device_type: str) -> None:
     config = point.config()
+    check_quantize(point.quantize, device_type, point.model_spec().torch_dtype(torch.device(device_type)))
     if not point.emulated:
         check_launchable(point.tp, device=point.device)
     if point.runs < 1 or point.warmup < 0:

@@ -84,7 +84,7 @@ def group_key(r: dict[str, Any]) -> tuple:
     decode step."""
     dilation = ("share", r["comm_share"]) if r.get("comm_share") is not None else r.get("link_scale", 1.0)
     return (r["preset"], r["interconnect"], dilation, r["tp"], r["batch_size"],
-            r["prompt_len"], r["gen_len"], r.get("device"), device_name(r), r.get("dtype"), decode_step(r))
+            r["prompt_len"], r["gen_len"], r.get("device"), device_name(r), r.get("dtype"), r.get("quantize"), decode_step(r))
 
 
 def device_name(r: dict[str, Any]) -> str | None:
@@ -94,7 +94,7 @@ def device_name(r: dict[str, Any]) -> str | None:
 
 # What a file's rows are told apart by only when its records differ in it (a sweep run again in
 # bfloat16, or on another GPU, into the same file); a file measured one way shows neither.
-TOLD_APART_BY = ("device_name", "dtype")
+TOLD_APART_BY = ("device_name", "dtype", "quantize")
 
 
 def link_label(r: dict[str, Any]) -> str:
@@ -131,7 +131,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         for label, rs in by_layout.items():
             row = {"preset": key[0], "interconnect": key[1], "link": link_label(rs[0]), "emulated": rs[0]["emulated"],
                    "comm_share": rs[0].get("comm_share"), "device_name": device_name(rs[0]),
-                   "dtype": rs[0].get("dtype"),
+                   "dtype": rs[0].get("dtype"), "quantize": rs[0].get("quantize"),
                    "decode_step": key[-1], "tp": key[3], "batch_size": key[4], "layout": label,
                    "tokens_per_s": tps[label], "records": len(rs), "speedup": None, "hidden": None, "hidden_in_run": _pooled_in_run(rs)}
             if "standard" in tps:
@@ -146,7 +146,7 @@ def summarise(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     varying = [field for field in TOLD_APART_BY if len({row[field] for row in rows}) > 1]
     for row in rows:
         row["told_apart_by"] = ", ".join(str(row[field]) for field in varying)
-    rows.sort(key=lambda r: (r["preset"], r["link"], str(r["device_name"]), str(r["dtype"]), r["decode_step"],
+    rows.sort(key=lambda r: (r["preset"], r["link"], str(r["device_name"]), str(r["dtype"]), str(r["quantize"]), r["decode_step"],
                              r["tp"], r["batch_size"], layout_order(r["layout"])))
     return rows
 

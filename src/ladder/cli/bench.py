@@ -17,7 +17,7 @@ from ladder.bench.records import check_results_file, check_trace_folder, measure
 from ladder.bench.spec import BenchPoint, check_repetition, sweep_points
 from ladder.bench.summary import failures, format_summary, read_bench_files, summarise
 from ladder.bench.sweep import run_sweep
-from ladder.cli.common import DTYPE_CHOICES, decode_step, exit_status, parse_hybrids, parse_list, stop_message
+from ladder.cli.common import DTYPE_CHOICES, add_quantize_option, decode_step, exit_status, parse_hybrids, parse_list, stop_message
 from ladder.comm.distributed import is_rank0, pick_device, print_rank0, say
 from ladder.comm.links import LinkModel, get_links
 from ladder.config import default_dtype
@@ -64,7 +64,7 @@ def plan_sweep(args: argparse.Namespace, links: list[LinkModel | None]) -> tuple
         tps=parse_list(args.tp, int, "--tp"),
         batch_sizes=parse_list(args.batch_sizes, int, "--batch-sizes"),
         links=links, prompt_len=args.prompt_len, gen_len=args.gen_len, warmup=args.warmup, runs=args.runs,
-        device=args.device, dtype=args.dtype, decode_step=decode_step(args), seed=args.seed,
+        device=args.device, dtype=args.dtype, quantize=args.quantize, decode_step=decode_step(args), seed=args.seed,
         link_scale=args.link_scale, ladder_layers=parse_hybrids(args.ladder_layers), checkpoint=args.model,
         profile_dir=args.profile, profile_tokens=args.profile_tokens)
     check_repetition(args.rounds, args.interleave)
@@ -202,6 +202,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="multiply emulated link times (keep a GPU's compute:communication ratio on a slower device)")
     b.add_argument("--device", default="auto", help="cpu, cuda or auto")
     b.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: bfloat16 on CUDA, float32 on CPU")
+    add_quantize_option(b)
     b.add_argument("--compile", action="store_true",
                    help="compile the whole decode step (CUDA graphs on GPU; minutes for a large model)")
     b.add_argument("--compile-layers", action="store_true",

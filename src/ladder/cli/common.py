@@ -9,6 +9,7 @@ from ladder.comm.distributed import is_rank0, say
 from ladder.config import DESYNC_PATTERNS, DTYPE_BYTES, LAYOUTS, PRESETS
 from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError, Stopped
+from ladder.quantize import QUANTIZE_MODES
 from ladder.spec import ModelSpec
 
 DTYPE_CHOICES = list(DTYPE_BYTES)
@@ -33,12 +34,19 @@ def add_model_options(p: argparse.ArgumentParser, tp_flag: bool = True) -> None:
     g.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--shard-vocab", action="store_true", help="shard the output head's vocabulary")
     g.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
+    add_quantize_option(g)
+
+
+def add_quantize_option(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--quantize", choices=QUANTIZE_MODES,
+                   help="weight-only quantization of each rank's block linears, through torchao (default: none)")
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(preset=args.preset, model=args.model, layout=args.layout, ladder_layers=args.ladder_layers,
                      desync_reduce=args.desync_reduce, tp=getattr(args, "tp", 1), device=args.device,
-                     dtype=args.dtype, shard_vocab=args.shard_vocab, seed=args.seed)
+                     dtype=args.dtype, shard_vocab=args.shard_vocab, seed=args.seed,
+                     quantize=args.quantize)
 
 
 def decode_step(args: argparse.Namespace) -> DecodeStep:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ladder.bench.summary import batch_column_width, layout_label
 from ladder.checkpoint.resolve import read_shape
-from ladder.cli.common import parse_hybrids, parse_list
+from ladder.cli.common import add_quantize_option, parse_hybrids, parse_list
 from ladder.comm.links import get_links
 from ladder.config import PRESETS
 from ladder.errors import LadderError
@@ -17,6 +17,7 @@ from ladder.memory import MEMORY_USABLE
 from ladder.predict.costmodel import GPUS, get_gpu, predict_table
 from ladder.predict.fit import score, stored_accuracy, validate, validate_unseen
 from ladder.predict.paper import UNSEEN_SETTINGS
+from ladder.quantize import bytes_per_weight
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -42,20 +43,26 @@ def cmd_predict(args: argparse.Namespace) -> int:
         model, shape = model_label(args.model), read_shape(args.model)
     rows = [row for link in links for tp in tps
             for row in predict_table(model, gpu, link, tp, batch_sizes, layouts, args.prompt_len, args.gen_len,
-                                     ladder_layers=hybrids, config=shape)]
+                                     ladder_layers=hybrids, config=shape, quantize=args.quantize)]
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
     hybrid = "" if hybrids is None else ", ladder[N]: ladder on the last N layers"
     print(f"predicted (cost model, not measured): {model} on {describe_gpu(gpu)}, prompt {args.prompt_len}, "
-          f"{args.gen_len} new tokens{hybrid}")
+          f"{args.gen_len} new tokens{hybrid}{quantized_label(args.quantize)}")
     print(format_predictions(rows))
     if not all(r["fits"] for r in rows):
         print(f"does not fit: one rank needs more than {MEMORY_USABLE:.0%} of one {gpu.name}'s "
               f"{gpu.memory_bytes / 2**30:.1f} GiB (weights, KV cache and the prefill's activations)")
     print(stored_accuracy(gpu))
     return 0
+
+
+def quantized_label(mode: str | None) -> str:
+    if mode is None:
+        return ""
+    return f", block linears {mode} ({bytes_per_weight(mode, 2):g} bytes a weight with scales, bf16 elsewhere)"
 
 
 def model_label(name_or_path: str) -> str:
@@ -134,6 +141,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     pr.add_argument("--ladder-layers", metavar="N[,N...]",
                     help="for the ladder layout: ladder on the last N layers (hybrid); a list predicts one hybrid "
                          "per N")
+    add_quantize_option(pr)
     pr.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per sequence")
     pr.add_argument("--gen-len", type=int, default=512, help="new tokens per sequence")
     pr.add_argument("--json", action="store_true",

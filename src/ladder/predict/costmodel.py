@@ -32,6 +32,7 @@ from ladder.comm.links import LinkModel
 from ladder.config import ModelConfig, ShardShape, check_hybrids, get_preset, layout_variants
 from ladder.errors import LadderError
 from ladder.memory import estimate_memory_bytes, fits_in, kv_cache_bytes
+from ladder.quantize import bytes_per_weight
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,12 @@ class Workload:
     gen_len: int = 512
     dtype_bytes: int = 2
     ladder_layers: int | None = None  # the ladder layout: on the last N layers only (hybrid); None: all
+    quantize: str | None = None  # weight-only int8 or int4 block linears: fewer bytes a step, same FLOPs
+
+    @property
+    def linear_weight_bytes(self) -> float:
+        """Bytes a step reads per block-linear weight (the embedding and head stay in `dtype_bytes`)."""
+        return bytes_per_weight(self.quantize, self.dtype_bytes)
 
 
 def _t(x: float | torch.Tensor) -> torch.Tensor:
@@ -142,6 +149,7 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     """`predict_seconds` of many generations of one model shape at once, as a tensor: the fit
     evaluates all its rows at each of its steps."""
     c, by = _one_shape(workloads, layouts)
+    wb = workloads[0].linear_weight_bytes
     rows = _Rows.of(workloads, links)
     hd = c.head_dim
     attn_params = (c.dim * (rows.heads + 2 * rows.kv_heads) * hd + rows.heads * hd * c.dim)
@@ -161,8 +169,8 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
 
     # prefill: b * P tokens at once (compute-bound), causal attention over P
     n = b * prompt_len
-    pre_attn = roof(by * attn_params, 2 * n * attn_params + 2 * b * rows.heads * prompt_len ** 2 * hd)
-    pre_mlp = roof(by * mlp_params, 2 * n * mlp_params)
+    pre_attn = roof(wb * attn_params, 2 * n * attn_params + 2 * b * rows.heads * prompt_len ** 2 * hd)
+    pre_mlp = roof(wb * mlp_params, 2 * n * mlp_params)
     prefill = (combine(pre_attn, pre_mlp, rows.prefill_all_reduce, prefill_interference(k, b))
                + roof(by * head_params, 2 * n * head_params))
 
@@ -171,8 +179,8 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     cache_len = prompt_len + gen_len
     kv_bytes = kv_cache_bytes(c, rows.kv_heads, b, cache_len, by, layers=1)  # one layer, this rank's heads
     kv_s = kv_bytes / (k["attention_efficiency"] * gpu.hbm_bytes_per_s)
-    dec_attn = roof(by * attn_params, 2 * b * attn_params) + kv_s
-    dec_mlp = roof(by * mlp_params, 2 * b * mlp_params)
+    dec_attn = roof(wb * attn_params, 2 * b * attn_params) + kv_s
+    dec_mlp = roof(wb * mlp_params, 2 * b * mlp_params)
     step = (combine(dec_attn, dec_mlp, rows.decode_all_reduce, interference(k, b))
             + roof(by * head_params, 2 * b * head_params) + step_s)
     return prefill + gen_len * step
@@ -183,8 +191,8 @@ def _one_shape(workloads: Sequence[Workload], layouts: Sequence[str]) -> tuple[M
         if layout not in MODELLED_LAYOUTS:
             raise LadderError(f"the cost model knows standard, parallel, ladder and upper-bound, not {layout!r}")
     c, by = workloads[0].config, workloads[0].dtype_bytes
-    if any(w.config != c or w.dtype_bytes != by for w in workloads):
-        raise ValueError("predict_seconds_of takes workloads of one model shape and dtype")
+    if any(w.config != c or w.dtype_bytes != by or w.quantize != workloads[0].quantize for w in workloads):
+        raise ValueError("predict_seconds_of takes workloads of one model shape, dtype and quantization")
     return c, by
 
 
@@ -280,7 +288,7 @@ def fitted_constants() -> CostConstants:
 def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: list[int],
                   layouts: list[str], prompt_len: int, gen_len: int,
                   constants: CostConstants | None = None, ladder_layers: Sequence[int] | None = None,
-                  config: ModelConfig | None = None) -> list[dict[str, Any]]:
+                  config: ModelConfig | None = None, quantize: str | None = None) -> list[dict[str, Any]]:
     """Predicted tokens/s for each (batch, layout): in all, per GPU, the speedup over standard and,
     for ladder, the share of standard's communication it hides (the paper's definition, as `ladder
     bench` reports it). `ladder_layers`: instead of whole ladder, a hybrid (ladder on the last N layers
@@ -301,8 +309,9 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
     variants = layout_variants(layouts, ladder_layers)
     rows = []
     for b in batch_sizes:
-        w = Workload(config, tp, b, prompt_len, gen_len)
-        memory = estimate_memory_bytes(config, tp, b, prompt_len, prompt_len + gen_len, w.dtype_bytes)
+        w = Workload(config, tp, b, prompt_len, gen_len, quantize=quantize)
+        memory = estimate_memory_bytes(config, tp, b, prompt_len, prompt_len + gen_len, w.dtype_bytes,
+                                       quantize=quantize)
         tps = {(name, n): predict_tokens_per_s(replace(w, ladder_layers=n), name, gpu, link, constants)
                for name, n in dict.fromkeys([*variants, ("standard", None), ("upper-bound", None)])}
         seconds = {variant: 1 / value for variant, value in tps.items()}  # per generated token: hidden's times
@@ -311,7 +320,7 @@ def predict_table(preset: str, gpu: GPU, link: LinkModel, tp: int, batch_sizes: 
             hidden = (hidden_fraction(seconds[standard], seconds[(layout, n)], seconds[upper_bound])
                       if layout == "ladder" else None)
             rows.append({"preset": preset, "gpu": gpu.name, "interconnect": link.name, "tp": tp, "batch_size": b,
-                         "layout": layout, "ladder_layers": n, "tokens_per_s": tps[(layout, n)],
+                         "layout": layout, "ladder_layers": n, "quantize": quantize, "tokens_per_s": tps[(layout, n)],
                          "tokens_per_s_per_gpu": tps[(layout, n)] / tp, "speedup": tps[(layout, n)] / tps[standard],
                          "hidden": hidden, "memory_bytes_per_gpu": memory, "fits": fits_in(memory, gpu.memory_bytes)})
     return rows

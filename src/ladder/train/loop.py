@@ -11,6 +11,7 @@ Ctrl-C or SIGTERM; `--resume` continues from the newest one and reproduces the u
 from __future__ import annotations
 
 import contextlib
+import copy as copy_module
 import dataclasses
 import json
 import math
@@ -33,6 +34,7 @@ from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint
                                      shutdown_distributed)
 from ladder.errors import LadderError, Stopped
 from ladder.model import Transformer
+from ladder.quantize import quantize_shard
 from ladder.spec import ModelSpec
 from ladder.train.checkpoints import (check_out_dir_is_shared, checkpoint_dirs, load_latest_checkpoint,
                                       resume_optimizer, save_checkpoint)
@@ -214,6 +216,9 @@ class _Run:
         if self.heldout is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
             self.eval_loss = evaluate_loss(self.net, self.heldout, config, ctx)
             record.update(eval_loss=self.eval_loss, eval_ppl=math.exp(self.eval_loss))
+            if config.eval_quantize is not None:
+                quantized = evaluate_loss(quantized_copy(self.core, config.eval_quantize), self.heldout, config, ctx)
+                record[f"eval_loss_{config.eval_quantize}"] = quantized
         return record, stopping_now
 
     def save(self, step: int) -> Path:
@@ -301,6 +306,14 @@ class _StopRequest:
         if self.signum in (0, signal.SIGINT):
             raise KeyboardInterrupt(said)
         raise Stopped(self.signum, said)
+
+
+def quantized_copy(model: Transformer, mode: str) -> Transformer:
+    """A copy of the model being trained with its block linears quantized (`ladder.quantize`): the
+    held-out loss a user who serves it `--quantize`d would see."""
+    copy = copy_module.deepcopy(model, memo={id(model.comm): model.comm})  # the same group, not a copy
+    quantize_shard(copy, mode)
+    return copy
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from ladder.errors import LadderError
+from ladder.quantize import QUANTIZE_MODES
 
 
 @dataclass
@@ -49,6 +50,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 50
     eval_batches: int = 8
+    eval_quantize: str | None = None  # int8 or int4: also report the held-out loss of a quantized copy
     device: str = "auto"
     stop_at: int | None = None  # stop after this step as if interrupted (time-boxed jobs; resume continues)
 
@@ -61,6 +63,10 @@ class TrainConfig:
             raise LadderError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise LadderError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.eval_quantize is not None and self.eval_quantize not in QUANTIZE_MODES:
+            raise LadderError(f"eval_quantize must be one of {', '.join(QUANTIZE_MODES)} or none, got {self.eval_quantize!r}")
+        if self.eval_quantize is not None and self.parallel == "fsdp":
+            raise LadderError("eval_quantize quantizes a copy of the whole model, and fsdp shards it: use parallel=ddp")
         if not self.data:
             raise LadderError("no training data: set data to text files, folders or shakespeare:train")
         for name in ("lr", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches"):

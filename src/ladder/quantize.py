@@ -1,0 +1,164 @@
+"""Weight-only int8 and int4 quantization of each rank's shard, through torchao's `quantize_`.
+
+Applied after sharding and loading, to the four linear layers of every block (fused QKV, attention
+output, fused gate/up, down): a rank quantizes exactly the weights it multiplies, so quantization
+composes with every layout, TP degree and link. The embedding, the norms and the output head stay in
+the model's dtype: the head is tied to the embedding in the small models (SmolLM2) and is the layer whose
+error reaches the logits unfiltered.
+
+- int8: per-output-row symmetric scales (`Int8WeightOnlyConfig`), CPU and CUDA.
+- int4: groups of `INT4_GROUP` input columns, asymmetric, on torch's tinygemm kernels: the CPU one
+  (`PrototypeInt4WeightOnlyConfig`, `_weight_int4pack_mm_for_cpu`) and the CUDA one (`Int4WeightOnlyConfig`
+  in the tile-packed layout, bf16 only). Group 32 is llama.cpp's Q4 block, and divides every shard width
+  of the models ladder runs (SmolLM2's 576, Llama's 4096 and 8192 at any TP up to 8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ladder.errors import LadderError
+from ladder.model import Transformer
+
+QUANTIZE_MODES = ("int8", "int4")
+INT4_GROUP = 32
+
+
+INSTALL_HINT = 'pip install "ladder[quantize]"  (torchao)'
+
+
+def bytes_per_weight(mode: str | None, dtype_bytes: int, row_width: int | None = None) -> float:
+    """Bytes a decode step reads per block-linear weight, scales included, for a model in a dtype of
+    `dtype_bytes`: int8 keeps a float32 scale and an int8 zero point per output row of `row_width` weights
+    (None: rows so wide that they do not count); int4 keeps a scale and a zero point per group of INT4_GROUP, in the model's dtype
+    (bf16: 4 / 32 = 0.125 bytes a weight)."""
+    if mode is None:
+        return dtype_bytes
+    if mode == "int8":
+        return 1.0 + (5 / row_width if row_width else 0.0)
+    return 0.5 + 2 * dtype_bytes / INT4_GROUP
+
+
+def check_quantize(mode: str | None, device_type: str, dtype: torch.dtype) -> None:
+    """Refuse, in one line, a mode or combination that torchao cannot run here; before any weights load."""
+    if mode is None:
+        return
+    if mode not in QUANTIZE_MODES:
+        raise LadderError(f"--quantize {mode!r}: give one of {', '.join(QUANTIZE_MODES)}")
+    _torchao()  # installed?
+    if mode == "int4" and device_type == "cuda" and dtype != torch.bfloat16:
+        raise LadderError(f"--quantize int4 on CUDA runs torchao's tinygemm kernel, which takes bfloat16 "
+                          f"activations only: add --dtype bfloat16 (asked: {str(dtype).removeprefix('torch.')})")
+    if mode == "int4" and device_type == "cpu" and not _int4_cpu_kernel_runs(dtype):
+        raise LadderError(f"--quantize int4 on CPU needs torch's _weight_int4pack_mm_for_cpu kernel for "
+                          f"{str(dtype).removeprefix('torch.')}, which this torch build lacks")
+
+
+def quantize_shard(model: Transformer, mode: str | None) -> None:
+    """Quantize this rank's block linears in place (nothing when `mode` is None)."""
+    if mode is None:
+        return
+    device_type, dtype = model.device.type, model.tok_embeddings.weight.dtype
+    check_quantize(mode, device_type, dtype)
+    if mode == "int4":
+        _check_groups(model)
+    ao = _torchao()
+    with torch.no_grad():
+        ao.quantize_(model, _config(ao, mode, device_type), filter_fn=_is_block_linear)
+
+
+def is_quantized(linear: nn.Module) -> bool:
+    """Whether a linear layer's weight is one of torchao's quantized tensors (not a plain tensor)."""
+    weight = getattr(linear, "weight", None)
+    return weight is not None and type(weight) not in (torch.Tensor, nn.Parameter)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor holds: a quantized tensor's are its inner tensors' (data, scales, zero points),
+    not its logical shape times the dtype it computes in."""
+    if type(t) in (torch.Tensor, nn.Parameter):
+        return t.numel() * t.element_size()
+    inner_names, _ = t.__tensor_flatten__()
+    return sum(tensor_bytes(getattr(t, name)) for name in inner_names)
+
+
+def block_linears(model: Transformer) -> list[tuple[str, nn.Linear]]:
+    """The (name, layer) pairs that quantization replaces: each block's four linear layers."""
+    return [(name, m) for name, m in model.named_modules() if _is_block_linear(m, name)]
+
+
+def _is_block_linear(module: nn.Module, name: str) -> bool:
+    return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in ("wqkv", "wo", "w13", "w2")
+
+
+def _check_groups(model: Transformer) -> None:
+    for name, linear in block_linears(model):
+        if linear.in_features % INT4_GROUP:
+            raise LadderError(f"--quantize int4 groups {INT4_GROUP} input columns, and {name} has "
+                              f"{linear.in_features} on this rank (tp={model.comm.world_size})")
+
+
+def _config(ao: Any, mode: str, device_type: str) -> Any:
+    if mode == "int8":
+        return ao.Int8WeightOnlyConfig()
+    if device_type == "cuda":
+        return ao.Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
+    return ao.PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP, set_inductor_config=False)
+
+
+@functools.cache
+def _int4_cpu_kernel_runs(dtype: torch.dtype) -> bool:
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 64, dtype=torch.int32), 1)
+        scales = torch.ones(64 // INT4_GROUP, 16, 2, dtype=dtype)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(torch.ones(1, 64, dtype=dtype), packed, INT4_GROUP, scales)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+class _Torchao:
+    """The parts of torchao ladder uses, imported once."""
+
+    def __init__(self) -> None:
+        with _quiet_import():
+            from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+            from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+        self.quantize_ = quantize_
+        # torch.compile warns once per compiled step that torchao's tensors cannot key its on-disk cache:
+        # they then compile again each run, which the warning cannot help a user with.
+        warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
+        self.Int8WeightOnlyConfig = Int8WeightOnlyConfig
+        self.Int4WeightOnlyConfig = Int4WeightOnlyConfig
+        self.PrototypeInt4WeightOnlyConfig = PrototypeInt4WeightOnlyConfig
+
+
+@functools.cache
+def _torchao() -> _Torchao:
+    try:
+        return _Torchao()
+    except ImportError as exc:
+        raise LadderError(f"--quantize needs torchao ({exc}): {INSTALL_HINT}") from None
+
+
+@contextlib.contextmanager
+def _quiet_import():
+    """torchao's import warns about each optional kernel library built for a GPU this machine lacks
+    (mxfp8, CUTLASS sm90a), and torch about an Enum torchao registers: noise to a user who asked for
+    int8. Silenced for the import only."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

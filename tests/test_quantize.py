@@ -1,0 +1,95 @@
+"""Weight-only int8 and int4 (ladder.quantize, through torchao) on one rank: every layout's logits stay
+within the reasoned error of the unquantized model's, the right layers are quantized, the byte counts
+that the benchmark, the memory estimate and the cost model use are the tensors' own, and every
+combination torchao cannot run is refused in one line. TP=2 (real gloo ranks) is in test_tp.py."""
+
+import sys
+
+import pytest
+import torch
+
+from helpers import INT4_RELATIVE_ERROR, INT8_RELATIVE_ERROR, cached_logits, make_model, relative_error, tiny
+from ladder import quantize as quantize_module
+from ladder.decode_step import DecodeStep
+from ladder.engine import Engine
+from ladder.errors import LadderError
+from ladder.memory import weight_set_bytes
+from ladder.packing import PackedLinear, weight_bytes
+from ladder.quantize import block_linears, check_quantize, is_quantized, quantize_shard
+from ladder.sampling import SamplingParams
+
+PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
+DECODE = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(4))
+QUANTIZABLE = dict(ffn_hidden=128)  # int4 groups of 32 input columns
+LAYOUTS = {"standard": {}, "parallel": dict(layout="parallel"), "ladder": dict(layout="ladder"),
+           "hybrid": dict(layout="ladder", ladder_layers=2), "desync": dict(layout="desync"),
+           "upper-bound": dict(layout="upper-bound")}
+BOUND = {"int8": INT8_RELATIVE_ERROR, "int4": INT4_RELATIVE_ERROR}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_quantized_logits_stay_within_the_quantization_error(layout, mode, dtype):
+    config = tiny(**LAYOUTS[layout], **QUANTIZABLE)
+    expected = cached_logits(make_model(config).to(dtype), PROMPT, DECODE)
+    quantized = make_model(config).to(dtype)
+    quantize_shard(quantized, mode)
+    errors = [relative_error(got, want) for got, want in zip(cached_logits(quantized, PROMPT, DECODE), expected)]
+    assert max(errors) < BOUND[mode]
+    assert min(errors) > 1e-4  # the weights were quantized: not the unquantized model again
+
+
+def test_only_the_block_linears_are_quantized():
+    model = make_model(tiny(tie_embeddings=True, **QUANTIZABLE), quantize="int8")
+    quantized = [name for name, module in model.named_modules() if is_quantized(module)]
+    assert quantized == [name for name, _ in block_linears(model)]
+    assert len(quantized) == 4 * model.config.n_layers
+    assert not is_quantized(model.output) and model.output.weight is model.tok_embeddings.weight  # still tied
+    assert type(model.layers[0].attention_norm.weight) is torch.nn.Parameter
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_the_memory_estimate_counts_the_quantized_tensors_bytes(mode, dtype):
+    config = tiny(**QUANTIZABLE)
+    model = make_model(config).to(dtype)
+    quantize_shard(model, mode)
+    # The estimate takes every row as dim wide (int8's scale per row); the MLP's down rows are wider.
+    assert weight_set_bytes(config, 1, dtype.itemsize, mode) == pytest.approx(weight_bytes(model), rel=0.02)
+
+
+def test_an_eager_cpu_step_packs_the_plain_layers_and_keeps_torchaos():
+    model = make_model(tiny(**QUANTIZABLE), quantize="int8")
+    expected = cached_logits(make_model(tiny(**QUANTIZABLE), quantize="int8"), PROMPT, DECODE)
+    engine = Engine(model, DecodeStep.EAGER)
+    assert is_quantized(model.layers[0].attention.wqkv)
+    assert isinstance(model.output, PackedLinear) == isinstance(engine.model.output, PackedLinear)
+    for got, want in zip(cached_logits(model, PROMPT, DECODE), expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_compiled_step_of_a_quantized_model_gives_the_eager_tokens():
+    config = tiny(layout="ladder", **QUANTIZABLE)
+    prompt = PROMPT[:1]
+    eager = Engine(make_model(config, quantize="int8")).generate(prompt, 6, SamplingParams(temperature=0))
+    compiled = Engine(make_model(config, quantize="int8"), DecodeStep.COMPILED).generate(
+        prompt, 6, SamplingParams(temperature=0))
+    assert compiled.tokens == eager.tokens
+
+
+def test_refusals_are_one_line_errors(monkeypatch):
+    with pytest.raises(LadderError, match="int4 on CUDA .* bfloat16"):
+        check_quantize("int4", "cuda", torch.float32)
+    with pytest.raises(LadderError, match="give one of int8, int4"):
+        check_quantize("int3", "cpu", torch.float32)
+    with pytest.raises(LadderError, match=r"groups 32 input columns, and layers.0.feed_forward.w2 has 80"):
+        quantize_shard(make_model(tiny(ffn_hidden=80)), "int4")
+    for name in [name for name in sys.modules if name.split(".")[0] == "torchao"] + ["torchao"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    quantize_module._torchao.cache_clear()
+    try:
+        with pytest.raises(LadderError, match=r"needs torchao .*pip install \"ladder\[quantize\]\""):
+            check_quantize("int8", "cpu", torch.float32)
+    finally:
+        quantize_module._torchao.cache_clear()
