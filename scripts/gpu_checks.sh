@@ -18,7 +18,10 @@
 #     comparison-compiled.md for step 4);
 #  6. hybrids: the same shard with ladder on its last HYBRID_LAYERS (default 20,40,60 of 80) layers at
 #     HYBRID_BATCHES (default 1), against whole standard and upper bound, its pictures in hybrid/ (the
-#     paper has no hybrid timings; `ladder predict --ladder-layers` prints the cost model's beside them).
+#     paper has no hybrid timings; `ladder predict --ladder-layers` prints the cost model's beside them);
+#  7. quantized weights (torchao: carry its wheel, the GPU image has none): PRESET_SMALL at TP 1, batch 1,
+#     bf16 / int8 / int4, compiled (tokens/s and bytes/s against HBM); then the 70B shard's standard,
+#     ladder and upper bound at QUANTIZE_BATCHES (default 1) in int8 and int4 on both links, beside step 2's bf16.
 # Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP,
 # LAYOUTS_70B to trim the sweep, STEP_70B, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the
 # models, shapes and decode step (a dry run on CPU: DEVICE=cpu COMPILE= STEP_70B= STEP_COMPILED_70B=--compile-layers
@@ -47,6 +50,7 @@ step_small_layers=${STEP_SMALL_LAYERS---compile-layers --cuda-graph}
 step_compiled_70b=${STEP_COMPILED_70B---compile-layers --cuda-graph}
 hybrid_layers=${HYBRID_LAYERS:-20,40,60}
 hybrid_batches=${HYBRID_BATCHES-1}
+quantize_batches=${QUANTIZE_BATCHES-1}
 prompt=${PROMPT_LEN:-1024}
 gen=${GEN_LEN:-512}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -94,5 +98,23 @@ if [[ -f "$out/hybrid/${big}-tp${tp}-shard-hybrid.jsonl" ]]; then
             --layouts standard,ladder,upper-bound --ladder-layers "$hybrid_layers" --prompt-len "$prompt" \
             --gen-len "$gen" | tee "$out/hybrid/predicted.txt"
     fi
+fi
+if "$PY" -c "import torchao" 2>/dev/null; then
+    for mode in none int8 int4; do
+        quantized=(); [[ "$mode" == none ]] || quantized=(--quantize "$mode")
+        ladder bench --preset "$small" --layouts standard --tp 1 --batch-sizes 1 --prompt-len "$prompt" --gen-len "$gen" \
+            --warmup "$warmup" --runs "$runs" --device "$device" $compile "${quantized[@]}" --resume --no-progress \
+            --out "$out/quantized/${small}-tp1.jsonl" || failed=1
+    done
+    for batch in ${quantize_batches//,/ }; do
+        for mode in int8 int4; do
+            ladder bench --preset "$big" --layouts standard,ladder,upper-bound --tp "$tp" --batch-sizes "$batch" \
+                --interconnect nvlink-h100,pcie-no-p2p --prompt-len "$prompt" --gen-len "$gen" --warmup "$warmup" \
+                --runs "$runs" --device "$device" $step_70b --quantize "$mode" --interleave --resume --no-progress \
+                --out "$out/quantized/${big}-tp${tp}-shard.jsonl" || failed=1
+        done
+    done
+else
+    echo "step 7 skipped: no torchao here (carry its wheel: docs/quantization.md)"
 fi
 exit $failed

@@ -221,9 +221,10 @@ def test_workers_see_the_environment_of_each_launch(spawn, monkeypatch):
 
 
 def test_compiled_decode_at_tp2_equals_eager():
-    """(--compile-layers at TP 2: tests/test_serve.py's TP-2 server, and test_engine.py at TP 1.)"""
+    """With int8 weights on each rank's shard (torchao's tensors traced into the compiled step).
+    (--compile-layers at TP 2: tests/test_serve.py's TP-2 server, and test_engine.py at TP 1.)"""
     args = ["generate", "--preset", "tiny", "--layout", "ladder", "--ladder-layers", "3", "--tp", "2",
-            "--prompt-ids", "5,6,7", "--max-new-tokens", "6"]
+            "--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--quantize", "int8"]
     eager, compiled = run(*args), run(*args, "--compile", timeout=300)
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-2000:]
     assert generated(eager.stdout) == generated(compiled.stdout)

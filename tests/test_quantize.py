@@ -1,7 +1,8 @@
 """Weight-only int8 and int4 (ladder.quantize, through torchao) on one rank: every layout's logits stay
 within the reasoned error of the unquantized model's, the right layers are quantized, the byte counts
 that the benchmark, the memory estimate and the cost model use are the tensors' own, and every
-combination torchao cannot run is refused in one line. TP=2 (real gloo ranks) is in test_tp.py."""
+combination torchao cannot run is refused in one line. TP=2 (real gloo ranks, the recorded overlap) is
+in test_tp.py, a compiled quantized step at TP 2 in test_cli.py, SmolLM2 int4 at TP 2 in test_checkpoint.py."""
 
 import sys
 
@@ -16,7 +17,6 @@ from ladder.errors import LadderError
 from ladder.memory import weight_set_bytes
 from ladder.packing import PackedLinear, weight_bytes
 from ladder.quantize import block_linears, check_quantize, is_quantized, quantize_shard
-from ladder.sampling import SamplingParams
 
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
 DECODE = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(4))
@@ -67,15 +67,6 @@ def test_an_eager_cpu_step_packs_the_plain_layers_and_keeps_torchaos():
     assert isinstance(model.output, PackedLinear) == isinstance(engine.model.output, PackedLinear)
     for got, want in zip(cached_logits(model, PROMPT, DECODE), expected):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-
-
-def test_a_compiled_step_of_a_quantized_model_gives_the_eager_tokens():
-    config = tiny(layout="ladder", **QUANTIZABLE)
-    prompt = PROMPT[:1]
-    eager = Engine(make_model(config, quantize="int8")).generate(prompt, 6, SamplingParams(temperature=0))
-    compiled = Engine(make_model(config, quantize="int8"), DecodeStep.COMPILED).generate(
-        prompt, 6, SamplingParams(temperature=0))
-    assert compiled.tokens == eager.tokens
 
 
 def test_refusals_are_one_line_errors(monkeypatch):
