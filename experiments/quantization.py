@@ -58,7 +58,7 @@ SPEED_CONFIGS = [  # (dtype, quantize, decode step)
     ("bfloat16", "int4", DecodeStep.EAGER), ("bfloat16", "int4", DecodeStep.COMPILED),
 ]
 GAIN = ("--preset llama-160m --interconnect pcie-no-p2p --tp 4 --layouts standard,ladder,upper-bound "
-        "--batch-sizes 1,4 --prompt-len 64 --gen-len 32 --runs 4 --rounds 2 --interleave steps "
+        "--batch-sizes 1,4 --prompt-len 64 --gen-len 32 --runs 3 --rounds 2 --interleave steps "
         "--dtype bfloat16 --compile-layers").split()
 
 
@@ -273,10 +273,8 @@ def gain_table(path: Path) -> list[str]:
     lines = ["| weights | batch | standard tok/s | ladder tok/s | upper bound tok/s | comm. share of standard | "
              "ladder speedup | hidden |", "|---|---|---|---|---|---|---|---|"]
     by = {(r["quantize"], r["batch_size"], r["layout"]): r for r in rows}
-    for (mode, batch, layout), ladder in by.items():
-        if layout != "ladder":
-            continue
-        standard, upper = by[(mode, batch, "standard")], by[(mode, batch, "upper-bound")]
+    for batch, mode in sorted({(batch, mode) for mode, batch, _ in by}, key=lambda k: (k[0], MODES.index(k[1]))):
+        ladder, standard, upper = (by[(mode, batch, layout)] for layout in ("ladder", "standard", "upper-bound"))
         share = 1 - standard["tokens_per_s"] / upper["tokens_per_s"]
         lines.append(f"| {label(mode)} | {batch} | {standard['tokens_per_s']:.1f} | {ladder['tokens_per_s']:.1f} | "
                      f"{upper['tokens_per_s']:.1f} | {share:.2f} | {ladder['speedup']:.3f} | "
