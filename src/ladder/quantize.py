@@ -10,7 +10,7 @@ error reaches the logits unfiltered.
 - int4: groups of `INT4_GROUP` input columns, asymmetric, on torch's tinygemm kernels: the CPU one
   (`PrototypeInt4WeightOnlyConfig`, `_weight_int4pack_mm_for_cpu`) and the CUDA one (`Int4WeightOnlyConfig`
   in the tile-packed layout, bf16 only). Group 32 is llama.cpp's Q4 block, and divides every shard width
-  of the models ladder runs (SmolLM2's 576, Llama's 4096 and 8192 at any TP up to 8).
+  of the checkpoints ladder is used with (SmolLM2 at TP 1 to 3, Llama-3 8B and 70B at TP 1 to 8).
 """
 
 from __future__ import annotations
@@ -29,16 +29,14 @@ from ladder.model import Transformer
 
 QUANTIZE_MODES = ("int8", "int4")
 INT4_GROUP = 32
-
-
 INSTALL_HINT = 'pip install "ladder[quantize]"  (torchao)'
 
 
 def bytes_per_weight(mode: str | None, dtype_bytes: int, row_width: int | None = None) -> float:
     """Bytes a decode step reads per block-linear weight, scales included, for a model in a dtype of
     `dtype_bytes`: int8 keeps a float32 scale and an int8 zero point per output row of `row_width` weights
-    (None: rows so wide that they do not count); int4 keeps a scale and a zero point per group of INT4_GROUP, in the model's dtype
-    (bf16: 4 / 32 = 0.125 bytes a weight)."""
+    (None: rows so wide that they do not count); int4 keeps a scale and a zero point per group of
+    INT4_GROUP, in the model's dtype (bf16: 4 / 32 = 0.125 bytes a weight)."""
     if mode is None:
         return dtype_bytes
     if mode == "int8":
