@@ -37,10 +37,12 @@ from ladder.checkpoint.resolve import resolve_model
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.distributed import init_distributed, shutdown_distributed
 from ladder.comm.launch import launch
+from ladder.comm.links import get_links
 from ladder.corpora import python_docs_text, shakespeare_text
 from ladder.decode_step import DecodeStep
 from ladder.engine import Engine
 from ladder.evaluate import perplexity
+from ladder.predict.costmodel import get_gpu, predict_table
 from ladder.sampling import SamplingParams
 from ladder.spec import ModelSpec
 
@@ -235,8 +237,6 @@ def gain() -> Path:
 
 def predicted_gain() -> list[dict]:
     """The cost model's Llama-3-70B at TP 8 on an H100, bf16 against int8 and int4 block linears."""
-    from ladder.comm.links import get_links
-    from ladder.predict.costmodel import get_gpu, predict_table
     rows = []
     for link in get_links(["nvlink-h100", "pcie-no-p2p"], None, None):
         for mode in MODES:

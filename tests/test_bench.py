@@ -878,7 +878,8 @@ def test_memory_estimate_is_close_to_the_peak_an_h100_measured():
         config = get_preset(r["preset"])
         estimate = estimate_memory_bytes(config, r["tp"], r["batch_size"], r["prompt_len"],
                                                r["prompt_len"] + r["gen_len"], 2, len(layouts),
-                                               weight_sets=len({layout == "parallel" for layout in layouts}))
+                                               weight_sets=len({layout == "parallel" for layout in layouts}),
+                                               quantize=r.get("quantize"))
         assert estimate == pytest.approx(r["peak_memory_bytes"], rel=0.05), (r["batch_size"], layouts)
 
 
