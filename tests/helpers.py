@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ladder.bench.serve_load import descendants, free_port  # noqa: F401 (descendants: for the tests)
+from ladder.cli.main import main
 from ladder.config import ModelConfig, get_preset
 from ladder.comm.base import Communicator, Handle, LocalCommunicator
 from ladder.comm.distributed import init_distributed, shutdown_distributed
@@ -26,6 +27,15 @@ CPU = torch.device("cpu")
 def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`ladder ARGS...` in a fresh interpreter, output captured."""
     return subprocess.run([sys.executable, "-m", "ladder", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def ladder_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The CLI run in this process, as `ladder_cli` reports it, for a command that starts no workers: no
+    interpreter and torch start-up (seconds each)."""
+    capsys.readouterr()
+    code = main(list(args))
+    said = capsys.readouterr()
+    return subprocess.CompletedProcess(["ladder", *args], code, said.out, said.err)
 
 
 def torchrun_ladder(*args: str, dist_timeout_s: int = 60, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -17,6 +17,8 @@ from ladder.comm.base import LocalCommunicator
 from ladder.errors import LadderError
 from ladder.weights import build_model, export_hf_state_dict, load_weights
 
+from helpers import ladder_in_process
+
 CPU = torch.device("cpu")
 SMOLLM = "smollm2-135m-instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "Once upon a time, in a small village,"]
@@ -138,26 +140,26 @@ def test_convert_round_trip_is_bit_identical(tiny_hf, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_existing_output_needs_force_and_force_replaces_only_a_model_folder(tiny_hf, tmp_path):
+def test_existing_output_needs_force_and_force_replaces_only_a_model_folder(tiny_hf, tmp_path, capsys):
     _, single, _ = tiny_hf
     out = tmp_path / "dst"
-    assert ladder_cli("convert", str(single), "--ladder-layers", "1", "--out", str(out)).returncode == 0
-    _one_line_error(ladder_cli("convert", str(single), "--ladder-layers", "2", "--out", str(out)), "pass --force")
-    forced = ladder_cli("convert", str(single), "--ladder-layers", "2", "--out", str(out), "--force")
+    assert ladder_in_process(capsys, "convert", str(single), "--ladder-layers", "1", "--out", str(out)).returncode == 0
+    _one_line_error(ladder_in_process(capsys, "convert", str(single), "--ladder-layers", "2", "--out", str(out)), "pass --force")
+    forced = ladder_in_process(capsys, "convert", str(single), "--ladder-layers", "2", "--out", str(out), "--force")
     assert forced.returncode == 0, forced.stderr
     assert json.loads((out / "config.json").read_text())["ladder_layers"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no temporary folders left behind
 
     (out / "notes.txt").write_text("precious")  # not a model folder any more: --out . --force must not rm -rf
-    _one_line_error(ladder_cli("convert", str(single), "--out", str(out), "--force"),
+    _one_line_error(ladder_in_process(capsys, "convert", str(single), "--out", str(out), "--force"),
                     f"--force replaces a model folder only, and {out} also holds notes.txt")
     assert (out / "notes.txt").read_text() == "precious" and (out / "config.json").is_file()
     a_file = tmp_path / "a_file"
     a_file.write_text("precious")
-    _one_line_error(ladder_cli("convert", str(single), "--out", str(a_file), "--force"),
+    _one_line_error(ladder_in_process(capsys, "convert", str(single), "--out", str(a_file), "--force"),
                     f"{a_file} is a file, not a model folder")
     assert a_file.read_text() == "precious"
-    _one_line_error(ladder_cli("convert", str(single), "--out", str(a_file / "dst")),
+    _one_line_error(ladder_in_process(capsys, "convert", str(single), "--out", str(a_file / "dst")),
                     f"cannot write {a_file / 'dst'}: {a_file} is a file, not a folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "dst"]
 
