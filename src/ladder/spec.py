@@ -118,7 +118,8 @@ class ModelSpec:
             except json.JSONDecodeError as exc:
                 raise LadderError(f"{config_file} is not valid JSON ({exc})") from None
         config.check_run_tp(self.tp)
-        check_quantize(self.quantize, pick_device(self.device).type, self.torch_dtype(pick_device(self.device)))
+        device = pick_device(self.device)
+        check_quantize(self.quantize, device.type, self.torch_dtype(device))
         return config
 
     def dtype_name(self, device: torch.device) -> str:
