@@ -84,3 +84,23 @@ def test_refusals_are_one_line_errors(monkeypatch):
             check_quantize("int8", "cpu", torch.float32)
     finally:
         quantize_module._torchao.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchao's CUDA kernels need a GPU")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_cuda_logits_stay_within_the_error_and_a_cuda_graph_decodes_the_eager_tokens(mode):
+    def on_cuda(quantize: str | None):
+        model = make_model(tiny(layout="ladder", ladder_layers=2, **QUANTIZABLE)).to("cuda", torch.bfloat16)
+        quantize_shard(model, quantize)  # int4 on CUDA: tinygemm's tile-packed layout, bf16 only
+        return model
+
+    prompt = PROMPT.cuda()
+    positions = torch.arange(prompt.shape[1], device="cuda")
+    expected, quantized = on_cuda(None), on_cuda(mode)
+    for model in (expected, quantized):
+        model.setup_caches(*prompt.shape)
+    with torch.inference_mode():
+        error = relative_error(quantized(prompt, positions), expected(prompt, positions))
+    assert 1e-4 < error < BOUND[mode]
+    eager = Engine(quantized).generate(prompt, 6).tokens
+    assert Engine(quantized, DecodeStep.CUDA_GRAPH).generate(prompt, 6).tokens == eager
