@@ -8,6 +8,9 @@ import argparse
 from pathlib import Path
 
 from ladder.bench.summary import decode_step, format_summary, hidden_fraction, read_results, summarise
+from ladder.comm.links import link_presets
+from ladder.config import get_preset
+from ladder.predict.costmodel import GPUS, Workload, fitted_constants, predicted_speedup
 from ladder.predict.paper import P2P_LINKS, paper_throughputs
 
 P2P_OF_LINK = {link: p2p for p2p, link in P2P_LINKS.items()}
@@ -34,11 +37,28 @@ def paper_speedups() -> dict[tuple[str, str, int, int], float]:
     return out
 
 
+def gpu_of(record: dict) -> str | None:
+    """The cost model's GPU preset for the card a record ran on (its name as torch reports it)."""
+    name = record.get("env", {}).get("device_name", "").lower()
+    return next((gpu for gpu in GPUS if gpu in name), None)
+
+
+def predicted(row: dict, record: dict) -> float | None:
+    """`ladder predict`'s speedup for a summary row, on the record's GPU (the H100-fitted constants)."""
+    gpu, link = gpu_of(record), link_presets().get(row["interconnect"])
+    if gpu is None or link is None or row["layout"] == "desync":
+        return None
+    workload = Workload(get_preset(row["preset"]), row["tp"], row["batch_size"], record["prompt_len"],
+                        record["gen_len"], quantize=record.get("quantize"))
+    return predicted_speedup(workload, row["layout"], GPUS[gpu], link, fitted_constants())
+
+
 def comparison(records: list[dict]) -> str:
     paper = paper_speedups()
     rows = summarise(records)
-    lines = ["| link | tp | batch | layout | tokens/s | speedup | paper | hidden | paper hidden |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    first = next(r for r in records if r.get("status") == "ok")
+    lines = ["| link | tp | batch | layout | tokens/s | speedup | predicted | paper | hidden | paper hidden |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p2p = P2P_OF_LINK.get(r["interconnect"])
         same_model = r["preset"] == "llama-3-70b"
@@ -49,7 +69,8 @@ def comparison(records: list[dict]) -> str:
             paper_hidden = hidden_fraction(1.0, 1 / published, 1 / upper)
         fmt = lambda v, spec: format(v, spec) if v is not None else ""
         lines.append(f"| {r['link']} | {r['tp']} | {r['batch_size']} | {r['layout']} | {r['tokens_per_s']:.1f} | "
-                     f"{fmt(r['speedup'], '.3f')} | {fmt(published, '.3f')} | {fmt(r['hidden'], '.2f')} | "
+                     f"{fmt(r['speedup'], '.3f')} | {fmt(predicted(r, first), '.3f')} | {fmt(published, '.3f')} | "
+                     f"{fmt(r['hidden'], '.2f')} | "
                      f"{fmt(paper_hidden, '.2f')} |")
     return "\n".join(lines)
 
@@ -82,7 +103,8 @@ def main() -> None:
         step = STEP_DESCRIPTIONS[decode_step(ok[0])]
         print(f"Decode step: {step}; {ok[0]['warmup']} warm-up + {ok[0]['runs']} measured runs of prompt "
               f"{ok[0]['prompt_len']}, {ok[0]['gen_len']} new tokens per configuration, layouts taking turns.\n")
-    print("Speedup over standard at equal link and batch, beside the paper's (nvlink-h100 = P2P on, "
+    print("Speedup over standard at equal link and batch, beside the cost model's prediction for this GPU "
+          "(`ladder predict`, constants fitted on the paper's H100 runs) and the paper's (H100; nvlink-h100 = P2P on, "
           "pcie-no-p2p = P2P off); hidden = (t_standard - t_ladder) / (t_standard - t_upper_bound).\n")
     print(comparison(records))
     traced = traces(records)
