@@ -6,7 +6,7 @@ import torch
 from helpers import make_model, tiny
 from ladder.decode_step import DecodeStep
 from ladder.engine import Engine
-from ladder.sampling import SamplingBatch, SamplingParams, row_generators, sample
+from ladder.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.errors import LadderError
 
 PROMPT = torch.tensor([[5, 17, 42, 7], [9, 3, 200, 1]])
@@ -82,6 +82,14 @@ def test_top_k_never_leaves_the_k_best():
     tokens = sample_all(logits, SamplingParams(temperature=2.0, top_k=5))
     assert bool((allowed == tokens[:, None]).any(-1).all())
     assert len(set(tokens[:4 * 50].tolist())) > 5  # it does sample, not just take the argmax
+
+
+def test_top_k_alone_masks_what_the_sort_that_serves_top_p_masks():
+    """Top-k without top-p takes each row's k-th best from a top-k, not a sort: the same mask, ties included."""
+    logits = torch.randint(-3, 4, (6, 40), generator=torch.Generator().manual_seed(2)).float()  # many ties
+    for top_k in (torch.tensor([1, 3, 7, 40, 12, 5]), torch.tensor([1, 3, 7, 2, 12, 5])):
+        expected = _keep_top_k_top_p(logits, top_k, None)
+        torch.testing.assert_close(_keep_top_k(logits, top_k, int(top_k.max())), expected, rtol=0, atol=0)
 
 
 def test_top_p_keeps_the_smallest_nucleus():

@@ -56,7 +56,7 @@ def predicted(row: dict, record: dict) -> float | None:
 def comparison(records: list[dict]) -> str:
     paper = paper_speedups()
     rows = summarise(records)
-    first = next(r for r in records if r.get("status") == "ok")
+    first = next((r for r in records if r.get("status") == "ok"), {})
     lines = ["| link | tp | batch | layout | tokens/s | speedup | predicted | paper | hidden | paper hidden |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
