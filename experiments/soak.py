@@ -143,10 +143,11 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict, disconne
 
 
 async def soak(server: Server, n_requests: int, concurrency: int, seed: int,
-               burst_every: int = 250) -> tuple[list[dict], int, int]:
+               burst_every: int = 250) -> tuple[list[dict], list[tuple[int, int]]]:
+    """The answers, and the server's resident memory after each tenth of the requests."""
     rng = random.Random(seed)
     records: list[dict] = []
-    warm_rss = 0
+    rss_curve: list[tuple[int, int]] = []
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
     async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
         sent, next_burst = 0, burst_every
@@ -157,9 +158,9 @@ async def soak(server: Server, n_requests: int, concurrency: int, seed: int,
             batch = [random_request(rng) for _ in range(min(size, n_requests - sent))]
             records += await asyncio.gather(*(one_request(client, *r) for r in batch))
             sent += len(batch)
-            if not warm_rss and sent >= n_requests // 10:
-                warm_rss = server.resident_bytes()
-    return records, warm_rss, server.resident_bytes()
+            if sent >= (len(rss_curve) + 1) * n_requests // 10:
+                rss_curve.append((sent, server.resident_bytes()))
+    return records, rss_curve
 
 
 async def streams_then(server: Server, action, n: int = 16) -> list[dict]:
@@ -173,7 +174,9 @@ async def streams_then(server: Server, action, n: int = 16) -> list[dict]:
         return list(await asyncio.gather(*tasks))
 
 
-def summarise(tp: int, records: list[dict], warm_rss: int, end_rss: int) -> dict:
+def summarise(tp: int, records: list[dict], rss_curve: list[tuple[int, int]]) -> dict:
+    """Growth is from the first tenth (the warm-up) to the end."""
+    warm_rss, end_rss = rss_curve[0][1], rss_curve[-1][1]
     causes = Counter(f"{r['status']} {r.get('cause', '')}".strip() for r in records)
     served = [r for r in records if r["status"] == 200]
     cut = sum(1 for r in served if r["stream"] and not r.get("finished"))
@@ -181,7 +184,7 @@ def summarise(tp: int, records: list[dict], warm_rss: int, end_rss: int) -> dict
     return {"tp": tp, "requests": len(records), "served": len(served), "by_status": dict(causes), "streams_cut": cut,
             "disconnected": sum(r["disconnected"] for r in records), "ttft_p99_ms": p99("ttft_s"),
             "e2e_p99_ms": p99("e2e_s"), "rss_after_warmup_mb": warm_rss / 2**20, "rss_end_mb": end_rss / 2**20,
-            "rss_growth": end_rss / warm_rss - 1}
+            "rss_growth": end_rss / warm_rss - 1, "rss_curve_mb": [(n, rss / 2**20) for n, rss in rss_curve]}
 
 
 def fault_sigterm(folder: Path, tp: int) -> dict:
