@@ -10,6 +10,8 @@ goes through the plugin too (`--hf-overrides`), so that standard's all-reduces a
 vLLM runs eager (`--enforce-eager`): see docs/vllm.md for its compiled mode.
 
     .venv/bin/python experiments/vllm_serving.py [--rounds 2] [--rates inf]
+    .venv/bin/python experiments/vllm_serving.py --servers vllm --link-scale 23 --out results/vllm/own-step
+    (vLLM alone, its link dilated to about a quarter of its own standard step)
 
 Load: 32 requests, 8 in flight, 64 prompt and 64 output tokens (ignore_eos), servers in turns, `--rounds`
 times. Writes results/vllm/{bench-serve.jsonl,summary.md}.
@@ -31,7 +33,7 @@ from ladder.comm.base import LocalCommunicator
 from ladder.config import get_preset
 from ladder.spec import ModelSpec
 
-OUT = Path("results/vllm")
+OUT = Path("results/vllm")  # (--out)
 FOLDERS = Path("runs/vllm-folders")  # git-ignored
 LAYOUTS = ("standard", "ladder", "upper-bound")
 LINK, TP, SLOTS, CONTEXT = "pcie-no-p2p", 4, 8, 512
@@ -68,13 +70,13 @@ def measure(label: str, server: StartedServer, args: argparse.Namespace, round_:
                                  "--request-rates", args.rates, "--num-requests", str(args.num_requests),
                                  "--dataset", "fixed", "--prompt-len", "64", "--output-len", "64",
                                  "--max-concurrency", str(SLOTS), "--seed", str(round_),
-                                 "--out", str(OUT / "bench-serve.jsonl")], text=True)
+                                 "--out", str(args.out / "bench-serve.jsonl")], text=True)
         if result.returncode != 0:
             raise SystemExit(f"bench serve against {label} failed")
 
 
-def summary() -> None:
-    rows = [json.loads(line) for line in (OUT / "bench-serve.jsonl").read_text().splitlines()]
+def summary(out: Path, link_scale: float) -> None:
+    rows = [json.loads(line) for line in (out / "bench-serve.jsonl").read_text().splitlines()]
     runs: dict[tuple[str, float], list[dict]] = {}
     for r in rows:
         runs.setdefault((r["label"], r["request_rate"]), []).append(r)
@@ -93,9 +95,9 @@ def summary() -> None:
                      f"{med(rs, lambda r: r['ttft_ms']['p50']):.0f} | {standard / itl[(label, rate)]:.3f}x | {hidden} |")
     lines += ["", f"Medians of {len(next(iter(runs.values())))} rounds; {rows[0]['load']['num_requests']} requests a "
               f"run, at most {SLOTS} in flight, 64 prompt and 64 output tokens; llama-160m shape at TP {TP} on the "
-              f"emulated {LINK} link; `ITL vs standard`: standard's mean inter-token latency / this one's; "
+              f"emulated {LINK} link dilated x{link_scale:g}; `ITL vs standard`: standard's mean inter-token latency / this one's; "
               "`hidden`: (standard - ladder) / (standard - upper bound), by ITL. Written by experiments/vllm_serving.py."]
-    (OUT / "summary.md").write_text("\n".join(lines) + "\n")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -105,20 +107,25 @@ def main() -> None:
     parser.add_argument("--rates", default="inf")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--link-scale", type=float, default=7.69)
+    parser.add_argument("--servers", default="vllm,ladder", help="which servers to measure (vllm, ladder)")
+    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench-serve.jsonl").unlink(missing_ok=True)
+    servers = args.servers.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench-serve.jsonl").unlink(missing_ok=True)
     folders = make_folders(args.link_scale)
     for round_ in range(args.rounds):
         for layout in LAYOUTS:
-            port = free_port()
-            label = f"vllm + ladder plugin: {layout}"
-            measure(label, StartedServer(vllm_command(folders[layout], layout, port, args.link_scale), port, label),
-                    args, round_)
-            port = free_port()
-            measure(f"ladder serve: {layout}",
-                    StartedServer.ladder(ladder_serve_args(folders[layout], args.link_scale), port), args, round_)
-    summary()
+            if "vllm" in servers:
+                port = free_port()
+                label = f"vllm + ladder plugin: {layout}"
+                measure(label, StartedServer(vllm_command(folders[layout], layout, port, args.link_scale), port, label),
+                        args, round_)
+            if "ladder" in servers:
+                port = free_port()
+                measure(f"ladder serve: {layout}",
+                        StartedServer.ladder(ladder_serve_args(folders[layout], args.link_scale), port), args, round_)
+    summary(args.out, args.link_scale)
     shutil.rmtree(FOLDERS, ignore_errors=True)
 
 

@@ -79,19 +79,6 @@ def test_every_request_gets_the_tokens_it_gets_alone_and_engine_generate_gives()
     assert not scheduler.running and scheduler.prefilling == []  # every row given back
 
 
-def test_the_largest_steps_run_at_start_up_change_no_request_s_tokens():
-    """The start-up run of the largest prefill and decode fills the cache with garbage: every request
-    writes its positions before it reads them, so its tokens stay the engine's."""
-    model = make_model(tiny())
-    runner = PlanRecorder(model, 4, 96)
-    runner.run_largest_steps(token_budget=256)  # more than the context: one chunk of 95 tokens
-    assert [len(c.tokens) for c in runner.plans[0].prefill] == [95] and len(runner.plans[1].decode_tokens) == 4
-    prompts = [[1, 2, 3], list(range(5, 25))]
-    together, _ = run_requests(model, [(p, greedy(8)) for p in prompts], runner=runner)
-    for prompt, outputs in zip(prompts, together):
-        assert ids(outputs) == Engine(model).generate(torch.tensor([prompt]), 8).tokens[0]
-
-
 class PlanRecorder(StepRunner):
     """A runner that keeps every plan it runs."""
 

@@ -104,15 +104,6 @@ class StepRunner:
         return decoded, prefilled
 
 
-    def run_largest_steps(self, token_budget: int) -> None:
-        """Run the largest prefill (one chunk of the whole token budget, reading the whole cache) and the
-        largest decode (every row, the whole cache) once, as vLLM's profile run does: the allocator grows
-        to what the server will ever need now, so memory at rest is memory under load. What they write
-        into the empty cache, each request overwrites before it reads it."""
-        tokens = min(token_budget, self.max_model_len - 1)
-        self.run(StepPlan(prefill=[PrefillChunk(0, [0] * tokens, self.max_model_len - 1 - tokens)]))
-        self.run(StepPlan(decode_tokens=[0] * self.max_batch, decode_positions=[self.max_model_len - 2] * self.max_batch))
-
     def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """The last logits (P, V) of every chunk, in one forward over rows chunks[0].row.., left-padded."""
         longest = max(len(c.tokens) for c in chunks)

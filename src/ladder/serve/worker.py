@@ -115,14 +115,9 @@ def _kv_cache_plan(settings: ServeSettings, ctx: DistContext | None, device: tor
     return decision
 
 
-def _warm_up(runner: StepRunner, token_budget: int) -> None:
-    """Run the largest steps once (memory at rest is then memory under load), and compile or capture
-    every shape of a fixed-shape decode step. Every rank calls this at the same point, before its first
-    plan: the warm-up's forwards all-reduce."""
-    start = time.perf_counter()
-    runner.run_largest_steps(token_budget)
-    say(f"ladder: largest prefill ({token_budget} tokens) and decode ({runner.max_batch} rows) run once in "
-        f"{time.perf_counter() - start:.1f} s")
+def _warm_up(runner: StepRunner) -> None:
+    """Compile or capture every shape of a fixed-shape decode step. Every rank calls this at the same
+    point, before its first plan: the warm-up's forwards all-reduce."""
     fixed = runner.fixed_shapes
     if fixed is None:
         return
@@ -138,7 +133,7 @@ def _follow(settings: ServeSettings, ctx: DistContext) -> None:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
     runner, _ = _runner(settings, ctx)
-    _warm_up(runner, settings.max_num_batched_tokens)
+    _warm_up(runner)
     while not (plan := share_plan(None, None, ctx.world_size)).stop:
         runner.run(plan)
 
@@ -175,7 +170,7 @@ def _engine(settings: ServeSettings, ctx: DistContext | None, state: ServerState
     try:
         runner, loaded = _runner(settings, ctx)
         say(f"ladder: {settings.model.describe(loaded)}")
-        _warm_up(runner, settings.max_num_batched_tokens)  # /health says 503 until it is done
+        _warm_up(runner)  # /health says 503 until it is done
         world = ctx.world_size if ctx is not None else 1
         state.max_model_len, state.vocab_size = runner.max_model_len, loaded.model.config.vocab_size
         state.tokenizer = loaded.tokenizer
