@@ -39,6 +39,11 @@
 # lent in time-limited calls, run it again and it goes on where the previous call was stopped, e.g.
 #   RESULTS=.gpu-results bash scripts/gpu_checks.sh; cp -r .gpu-results "$OUT"/   (.gpu-results is ignored by git)
 # The layouts of a configuration share one process and its weights and take turns (--interleave).
+# What is still unmeasured after the H200 lease of 2026-11-26 (results/gpu/h200/report.md), in the order a
+# 15-minute lease gets most from (about 6 minutes a call; the first call also starts the machine):
+#   STEPS=env,shard-compiled,quantized RESULTS=.gpu-results DEADLINE_S=540 COMPILED_BATCHES=16,4 QUANTIZE_BATCHES=1 \
+#     COMPILE="--compile-layers --cuda-graph" STEP_70B="--compile-layers --cuda-graph" RUNS=2 bash scripts/gpu_checks.sh
+#   then STEPS=hybrid with STEP_70B="--compile-layers --cuda-graph" (carry .whl with torchao for quantized).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
