@@ -114,19 +114,16 @@ step_small() {  # (an empty COMPILE= runs eager)
             --out "$out/compiled-tp1.jsonl"
     done
 }
-step_shard() {
-    for batch in ${batches//,/ }; do
+# The 70B shard on both links, batch size by batch size: shard_sweep BATCHES "STEP FLAGS" TRACE_DIR RESULTS_FILE
+shard_sweep() {
+    for batch in ${1//,/ }; do
         ladder bench --preset "$big" --layouts "$layouts_70b" --tp "$tp" --batch-sizes "$batch" \
-            --interconnect nvlink-h100,pcie-no-p2p "${common[@]}" $step_70b --profile "$out/traces" --profile-tokens 4 \
-            --out "$out/${big}-tp${tp}-shard.jsonl"
+            --interconnect nvlink-h100,pcie-no-p2p "${common[@]}" $2 --profile "$3" --profile-tokens 4 --out "$4"
     done
 }
+step_shard() { shard_sweep "$batches" "$step_70b" "$out/traces" "$out/${big}-tp${tp}-shard.jsonl"; }
 step_shard_compiled() {
-    for batch in ${compiled_batches//,/ }; do
-        ladder bench --preset "$big" --layouts "$layouts_70b" --tp "$tp" --batch-sizes "$batch" \
-            --interconnect nvlink-h100,pcie-no-p2p "${common[@]}" $step_compiled_70b --profile "$out/traces/compiled" \
-            --profile-tokens 4 --out "$out/${big}-tp${tp}-shard-compiled.jsonl"
-    done
+    shard_sweep "$compiled_batches" "$step_compiled_70b" "$out/traces/compiled" "$out/${big}-tp${tp}-shard-compiled.jsonl"
 }
 step_compare() {
     local small_records=()

@@ -22,6 +22,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from ladder.bench.records import append_jsonl, environment
 from ladder.config import ModelConfig, get_preset
+from ladder.engine import synchronize
 
 
 def llama_config(config: ModelConfig) -> LlamaConfig:
@@ -38,11 +39,10 @@ def generation_config(gen_len: int) -> GenerationConfig:
 
 
 def timed_generate(model: LlamaForCausalLM, prompt: torch.Tensor, gen: GenerationConfig) -> float:
-    sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
-    sync()
+    synchronize(prompt.device)
     start = time.perf_counter()
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gen)
-    sync()
+    synchronize(prompt.device)
     assert out.shape[1] == prompt.shape[1] + gen.max_new_tokens, out.shape
     return time.perf_counter() - start
 
