@@ -16,6 +16,7 @@ each TP degree:
   exit non-zero.
 
     .venv/bin/python experiments/soak.py [--requests 3000] [--tps 1,2] [--short]
+    .venv/bin/python experiments/soak.py --memory-curve --requests 6000 --tps 1   (docs/serving.md's curves)
 
 Writes results/serve/soak.jsonl and soak.md (`--short`: 200 requests, a burst after 150, TP 1, no files:
 what the test suite runs).
@@ -211,15 +212,20 @@ def fault_killed_rank(folder: Path) -> dict:
         "last_end_s": max(r["e2e_s"] for r in ends), "exit_code": code}
 
 
+def soak_once(folder: Path, tp: int, n_requests: int, concurrency: int, burst_every: int = 250) -> dict:
+    """One server under the mixed load, then stopped: the summary, its exit code and tracebacks."""
+    server = Server(folder, tp)
+    try:
+        result = summarise(tp, *asyncio.run(soak(server, n_requests, concurrency, tp, burst_every)))
+    finally:
+        code, said = server.stop()
+    return {**result, "exit_code": code, "tracebacks_in_log": said.count("Traceback")}
+
+
 def run(folder: Path, tps: list[int], n_requests: int, concurrency: int, burst_every: int = 250) -> list[dict]:
     rows = []
     for tp in tps:
-        server = Server(folder, tp)
-        try:
-            result = summarise(tp, *asyncio.run(soak(server, n_requests, concurrency, tp, burst_every)))
-        finally:
-            code, said = server.stop()
-        rows.append({**result, "exit_code": code, "tracebacks_in_log": said.count("Traceback")})
+        rows.append(soak_once(folder, tp, n_requests, concurrency, burst_every))
         rows.append(fault_sigterm(folder, tp))
         if tp == 2:
             rows.append(fault_killed_rank(folder))
@@ -253,8 +259,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--tps", default="1,2")
     parser.add_argument("--short", action="store_true", help="200 requests at TP 1, nothing written")
+    parser.add_argument("--memory-curve", action="store_true",
+                        help="the soak alone at each of --tps, no faults: its summary with the resident-memory "
+                             "curve (after each tenth of the requests) printed, nothing written")
     args = parser.parse_args()
     folder = write_model(Path("runs/soak-model"))
+    if args.memory_curve:
+        for tp in (int(t) for t in args.tps.split(",")):
+            print(json.dumps(soak_once(folder, tp, args.requests, args.concurrency)))
+        return
     if args.short:
         rows = run(folder, [1], *SHORT)
         print(json.dumps(rows, indent=1))
