@@ -15,23 +15,31 @@ from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import LinkModel
 from ladder.config import get_preset
 from ladder.decode_step import DecodeStep
-from ladder.engine import Engine
+from ladder.engine import Engine, PrefillChunk
 from ladder.errors import LadderError
 from ladder.memory import KvCachePlan, parse_memory_setting, plan_kv_cache
 from ladder.sampling import SamplingParams
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import GenerationParams, Output, Scheduler
-from ladder.serve.steps import PrefillChunk, StepPlan, StepRunner
+from ladder.serve import scheduler as scheduler_module
+from ladder.serve.steps import StepPlan, run_plan
 
 from ladder.weights import random_model
 
 from helpers import RecordingCommunicator, in_flight_at_each_wait, make_model, overlapped_modules, tiny
 
 
-def run_requests(model, requests, max_batch=4, token_budget=6, cancel_after=None, runner=None):
+def server_engine(model, max_batch, max_seq, step=DecodeStep.EAGER):
+    """An engine as the server makes one: its cache and decode shapes reserved padded."""
+    engine = Engine(model, step)
+    engine.reserve(max_batch, max_seq, padded=True)
+    return engine
+
+
+def run_requests(model, requests, max_batch=4, token_budget=6, cancel_after=None, engine=None):
     """Submit every (prompt, params) at once, run the scheduler until all finish; each one's outputs."""
-    runner = runner or StepRunner(model, max_batch, 96)
-    scheduler = Scheduler(runner, None, ServerMetrics("tiny"), max_batch, 64, token_budget)
+    engine = engine or server_engine(model, max_batch, 96)
+    scheduler = Scheduler(engine, None, ServerMetrics("tiny"), 64, token_budget)
     outputs = [[] for _ in requests]
     done = threading.Semaphore(0)
 
@@ -79,26 +87,15 @@ def test_every_request_gets_the_tokens_it_gets_alone_and_engine_generate_gives()
     assert not scheduler.running and scheduler.prefilling == []  # every row given back
 
 
-class PlanRecorder(StepRunner):
-    """A runner that keeps every plan it runs."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.plans = []
-
-    def run(self, plan):
-        self.plans.append(plan)
-        return super().run(plan)
-
-
-def test_a_burst_prefills_together_within_the_token_budget_and_each_gets_its_tokens_alone():
+def test_a_burst_prefills_together_within_the_token_budget_and_each_gets_its_tokens_alone(monkeypatch):
     model = make_model(tiny(layout="ladder", ladder_layers=2))
     prompts = [[1, 2, 3, 4, 5], [6, 7], list(range(8, 20)), [3, 1]]
-    runner = PlanRecorder(model, 4, 96)
-    together, _ = run_requests(model, [(p, greedy(6)) for p in prompts], token_budget=10, runner=runner)
-    first = runner.plans[0].prefill
+    plans = []
+    monkeypatch.setattr(scheduler_module, "run_plan", lambda engine, plan: plans.append(plan) or run_plan(engine, plan))
+    together, _ = run_requests(model, [(p, greedy(6)) for p in prompts], token_budget=10)
+    first = plans[0].prefill
     assert [(c.row, len(c.tokens), c.start) for c in first] == [(0, 5, 0), (1, 2, 0), (2, 3, 0)]  # 10 tokens
-    assert all(len(p.decode_tokens) + sum(len(c.tokens) for c in p.prefill) <= 10 for p in runner.plans)
+    assert all(len(p.decode_tokens) + sum(len(c.tokens) for c in p.prefill) <= 10 for p in plans)
     for prompt, outputs in zip(prompts, together):
         assert ids(outputs) == Engine(model).generate(torch.tensor([prompt]), 6).tokens[0]
 
@@ -125,12 +122,12 @@ def test_the_ladder_overlap_holds_in_the_servers_decode_step():
     recorder = RecordingCommunicator(LocalCommunicator())
     model = make_model(tiny(layout="ladder"), recorder)
     recorder.attach(model)
-    runner = StepRunner(model, 4, 64)
-    runner.run(StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
-    runner.run(StepPlan(prefill=[PrefillChunk(1, [4, 5], 0)]))
+    engine = server_engine(model, 4, 64)
+    run_plan(engine, StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
+    run_plan(engine, StepPlan(prefill=[PrefillChunk(1, [4, 5], 0)]))
     recorder.events.clear()
     recorder._launched = 0
-    runner.run(StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2]))  # two requests at their own positions
+    run_plan(engine, StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2]))  # two requests at their own positions
     assert all(overlapped_modules(recorder.events))
 
 
@@ -143,14 +140,14 @@ def test_compiled_layers_at_padded_shapes_give_every_request_its_eager_tokens():
     model = make_model(tiny(layout="ladder", ladder_layers=2, max_seq_len=256))
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], list(range(5, 25))]  # the last prefills in 5 chunks
     requests = [(p, greedy(n)) for p, n in zip(prompts, [12, 9, 10, 7])]
-    eager, _ = run_requests(model, requests, runner=StepRunner(model, 4, 256))
+    eager, _ = run_requests(model, requests, engine=server_engine(model, 4, 256))
     torch._dynamo.reset()
     counters.clear()
-    runner = StepRunner(model, 4, 256, DecodeStep.COMPILED_LAYERS)
-    assert runner.fixed_shapes.shapes == [(b, kv) for b in (1, 2, 4) for kv in (64, 128, 256)]
-    runner.fixed_shapes.warm_up()
+    engine = server_engine(model, 4, 256, DecodeStep.COMPILED_LAYERS)
+    assert engine.shapes == [(b, kv) for b in (1, 2, 4) for kv in (64, 128, 256)]
+    engine.warm_up()
     assert counters["stats"]["unique_graphs"] == 9 + 3  # attention: one per shape; the MLP: one per batch
-    compiled, _ = run_requests(model, requests, runner=runner)
+    compiled, _ = run_requests(model, requests, engine=engine)
     assert [ids(o) for o in compiled] == [ids(o) for o in eager]
     assert counters["stats"]["unique_graphs"] == 9 + 3
 
@@ -163,19 +160,19 @@ def test_the_compiled_server_step_equals_eager_and_keeps_each_layouts_overlap(tm
     cpu = torch.device("cpu")
     comm = EmulatedCommunicator(LinkModel("test", latency_us=200.0, bandwidth_gbps=1.0), world_size=2, device=cpu)
     model = random_model(get_preset("tiny", layout=layout), comm, cpu)
-    eager = StepRunner(model, 2, 64)
-    eager.run(StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
-    eager.run(StepPlan(prefill=[PrefillChunk(1, [4, 5], 0)]))
+    eager = server_engine(model, 2, 64)
+    run_plan(eager, StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
+    run_plan(eager, StepPlan(prefill=[PrefillChunk(1, [4, 5], 0)]))
     plan = StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2])
-    expected, _ = eager.run(plan)
+    expected, _ = run_plan(eager, plan)
 
-    compiled = StepRunner(model, 2, 64, DecodeStep.COMPILED)  # the same cache: the prefills are there
-    compiled.fixed_shapes.warm_up()
-    logits, _ = compiled.run(plan)
+    compiled = server_engine(model, 2, 64, DecodeStep.COMPILED)  # the same cache: the prefills are there
+    compiled.warm_up()
+    logits, _ = run_plan(compiled, plan)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
     with profile() as trace:
-        compiled.run(StepPlan(decode_tokens=[9], decode_positions=[4]))  # one request, padded to no row
+        run_plan(compiled, StepPlan(decode_tokens=[9], decode_positions=[4]))  # one request, padded to no row
     trace.export_chrome_trace(str(tmp_path / "trace.json"))
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert in_flight_at_each_wait(events, "ladder::emulated_all_reduce", ("ladder::emulated_wait",)) == in_flight
@@ -186,11 +183,11 @@ def test_cuda_graphed_server_steps_give_every_request_its_eager_tokens():
     model = make_model(tiny(layout="ladder", ladder_layers=2)).cuda()
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], list(range(5, 25))]
     requests = [(p, greedy(n)) for p, n in zip(prompts, [12, 9, 10, 7])]
-    eager, _ = run_requests(model, requests, runner=StepRunner(model, 4, 64))
-    runner = StepRunner(model, 4, 64, DecodeStep.CUDA_GRAPH)
-    runner.fixed_shapes.warm_up()  # captures every shape
-    assert [ids(o) for o in run_requests(model, requests, runner=runner)[0]] == [ids(o) for o in eager]
-    assert [ids(o) for o in run_requests(model, requests, runner=runner)[0]] == [ids(o) for o in eager]  # replayed
+    eager, _ = run_requests(model, requests, engine=server_engine(model, 4, 64))
+    engine = server_engine(model, 4, 64, DecodeStep.CUDA_GRAPH)
+    engine.warm_up()  # captures every shape
+    assert [ids(o) for o in run_requests(model, requests, engine=engine)[0]] == [ids(o) for o in eager]
+    assert [ids(o) for o in run_requests(model, requests, engine=engine)[0]] == [ids(o) for o in eager]  # replayed
 
 
 def test_the_kv_cache_plan_fits_its_budget_and_refuses_what_cannot_fit():

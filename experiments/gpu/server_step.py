@@ -1,7 +1,8 @@
-"""The server's decode step against the engine's, on one model in one process: `ladder serve`'s
-`StepRunner` (fixed shapes, each captured as a CUDA graph) and `Engine.decode` (`ladder generate`,
-`ladder bench`) on the same random-weight shard, batch B, every row at the same cache position. Both
-time the forward that gives the step's logits; sampling is outside both. One JSON line per decode step.
+"""The server's decode step against `ladder generate`'s, on one engine in one process: `ladder serve`'s
+plan (`run_plan`, the shapes reserved padded: powers of two, each captured as a CUDA graph) and
+`Engine.decode` at `ladder generate`'s and `ladder bench`'s one shape (the batch, the whole cache), on
+the same random-weight shard, batch B, every row at the same cache position. Both time the forward that
+gives the step's logits; sampling is outside both. One JSON line per decode step.
 
 Usage: python experiments/gpu/server_step.py --preset llama-3-8b --batch 8 --position 1024 \
            --out results/gpu/h200/server-step.jsonl
@@ -21,7 +22,7 @@ from ladder.bench.records import append_jsonl, environment
 from ladder.comm.base import LocalCommunicator
 from ladder.decode_step import DecodeStep
 from ladder.engine import Engine, synchronize
-from ladder.serve.steps import PrefillChunk, StepPlan, StepRunner
+from ladder.serve.steps import StepPlan, run_plan
 from ladder.spec import ModelSpec
 
 STEPS = {"cuda-graph": DecodeStep.CUDA_GRAPH, "compiled-layers-cuda-graph": DecodeStep.COMPILED_LAYERS_CUDA_GRAPH,
@@ -59,16 +60,15 @@ def main() -> None:
     model = spec.load(LocalCommunicator(), device, exact=False).model
     max_len = args.position + 64
     engine = Engine(model, step)
-    engine.start(torch.ones(args.batch, args.position, dtype=torch.long), 2, max_seq=max_len).step()  # prefill
-    token, position = torch.ones(args.batch, 1, dtype=torch.long, device=device), torch.tensor([args.position], device=device)
-    engine_ms = step_ms(lambda: engine.decode(token, position), device, args.repeats)
+    engine.reserve(args.batch, max_len)  # ladder generate's one shape
+    engine.prefill_prompts(torch.ones(args.batch, args.position, dtype=torch.long, device=device))
+    tokens, positions = [1] * args.batch, [args.position] * args.batch
+    engine_ms = step_ms(lambda: engine.decode(tokens, positions), device, args.repeats)
 
-    runner = StepRunner(model, args.batch, max_len, step)
-    if runner.fixed_shapes is not None:
-        runner.fixed_shapes.warm_up()
-    runner.run(StepPlan(prefill=[PrefillChunk(row, [1] * args.position, 0) for row in range(args.batch)]))
-    plan = StepPlan(decode_tokens=[1] * args.batch, decode_positions=[args.position] * args.batch)
-    server_ms = step_ms(lambda: runner.run(plan), device, args.repeats)
+    engine.reserve(args.batch, max_len, padded=True)  # the server's shapes
+    engine.warm_up()  # (writes only the scratch position: the prefill above stays)
+    plan = StepPlan(decode_tokens=tokens, decode_positions=positions)
+    server_ms = step_ms(lambda: run_plan(engine, plan), device, args.repeats)
     record = {"preset": args.preset, "layout": args.layout, "batch": args.batch, "position": args.position,
               "decode_step": step.value, "dtype": spec.dtype_name(device),
               "engine_ms_p50": statistics.median(engine_ms), "server_ms_p50": statistics.median(server_ms),

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from ladder.comm.base import LocalCommunicator
 from ladder.decode_step import DecodeStep
 from ladder.packing import PackedLinear, weights_for_step
-from ladder.serve.steps import PrefillChunk, StepPlan, StepRunner
+from ladder.engine import Engine, PrefillChunk
+from ladder.serve.steps import StepPlan, run_plan
 from ladder.spec import ModelSpec
 
 
@@ -35,10 +36,11 @@ def main() -> None:
         plain = per_call_ms(lambda: [F.linear(x, m.weight) for x, m in zip(inputs, linears)])
         fast = per_call_ms(lambda: [p(x) for x, p in zip(inputs, packed)])
         print(f"all {len(linears)} linear layers, batch {batch}: F.linear {plain:.1f} ms, packed {fast:.1f} ms")
-    runner = StepRunner(model, 8, 512)
+    engine = Engine(model)
+    engine.reserve(8, 512, padded=True)  # as the server does
     for row in range(8):
-        runner.run(StepPlan(prefill=[PrefillChunk(row, list(range(100, 164)), 0)]))
-    step = lambda: runner.run(StepPlan(decode_tokens=[5] * 8, decode_positions=[100] * 8))  # noqa: E731
+        run_plan(engine, StepPlan(prefill=[PrefillChunk(row, list(range(100, 164)), 0)]))
+    step = lambda: run_plan(engine, StepPlan(decode_tokens=[5] * 8, decode_positions=[100] * 8))  # noqa: E731
     for label in ("packed", "plain"):
         print(f"server decode step, batch 8, {label}: {per_call_ms(step, 20):.1f} ms")
         weights_for_step(model, DecodeStep.COMPILED)  # unpacked: what a compiled step gets

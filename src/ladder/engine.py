@@ -1,13 +1,30 @@
-"""The generation engine: static KV cache, prefill, token-by-token decode, sampling.
+"""The engine: one for `ladder generate`, `ladder bench` and `ladder serve`. Static KV cache, prefill,
+decode steps (eager, compiled or CUDA-graphed), and `Generation` on top for a batch of prompts.
 
 It knows token ids, not text; tokenizers and chat templates live at the edges (CLI, server).
 Under tensor parallelism every rank runs the same engine with the same seed: logits are identical
 on every rank after the final all-reduce, so every rank samples the same token without a broadcast.
+
+The KV cache holds `max_batch` rows of `max_seq` positions (`Engine.reserve`). Every forward says, for
+each of its rows, which cache row it is and at which positions it writes; a query reads the keys up to
+its own position. Two forwards:
+- `prefill`: prompt chunks, one a row, left-padded to the longest. Padding tokens write at the cache's
+  last position (the scratch position), which no sequence reads: input positions end at max_seq - 2 (a
+  prompt and its new tokens fit the cache, and the last new token is never fed back).
+- `decode`: one token for each of the first D rows, each at its own position.
+
+A compiled or CUDA-graphed decode step runs at a few shapes, each made once: the batch padded up to the
+next of `batch_sizes` (padding rows write at the scratch position too), the cache read up to the next
+of `kv_lens`. `ladder generate` and `ladder bench` reserve one shape, their batch over the whole cache
+(as gpt-fast); the server reserves powers of two (`padded=True`), since its batch and lengths vary, and
+makes them all before it takes requests (`warm_up`). An eager step reads the cache up to the longest
+sequence rounded up to KV_BLOCK positions, at any batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +41,15 @@ from ladder.sampling import SamplingBatch, SamplingParams, row_generators, sampl
 
 TokenCallback = Callable[[torch.Tensor], None]
 """Called with each new token column (B,) as soon as it is sampled (for streaming)."""
+
+KV_BLOCK = 64  # an eager step reads the cache up to the longest sequence, rounded up to this many positions
+
+
+@dataclass
+class PrefillChunk:
+    row: int  # the KV-cache row
+    tokens: list[int]
+    start: int  # the position of the first token
 
 
 @dataclass
@@ -44,35 +70,116 @@ def synchronize(device: torch.device) -> None:
 
 
 class Engine:
-    """Runs a `Transformer` for generation, its decode step run as `step` says (`DecodeStep`):
+    """Runs a `Transformer`'s forwards for generation, its decode step run as `step` says (`DecodeStep`):
     - eager;
     - compiled: the whole step one graph (with CUDA graphs on CUDA: mode="reduce-overhead"); compiling
       takes longer the more layers the model has;
     - compiled layers: each layer's branches compiled, one graph shared by every layer
       (`Transformer.compile_layers`, in place), the step between them eager; the prefill stays eager;
     - CUDA graph: the step, eager or with compiled layers, captured as one CUDA graph (`CudaGraphStep`).
+    The module's docstring says how forwards use the cache, and which shapes a step runs at.
     """
 
     def __init__(self, model: Transformer, step: DecodeStep = DecodeStep.EAGER) -> None:
         self.model = model.eval()
         self.device = model.device
         self.step = step
+        if step.captures_cuda_graph and self.device.type != "cuda":
+            raise LadderError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
         weights_for_step(model, step)  # oneDNN's packed layout for an eager step on CPU
-        self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._decode_step
-        if step.captures_cuda_graph:
-            self._decode = CudaGraphStep(self._decode_step, model)  # (first: it refuses a model off CUDA)
+        self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, model)
+        if step.compiles_step:
+            self._forward = compile_step(self._forward, self.device)
         if step.compiles_layers:
             model.compile_layers()
-        if step.compiles_step:
-            self._decode = compile_step(self._decode_step, self.device)
+        self.max_batch = self.max_seq = 0
+        self.batch_sizes: list[int] = []
+        self.kv_lens: list[int] = []
+        self._steps: dict[tuple[int, int], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 
-    def _decode_step(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        return self.model(token, input_pos)[:, -1]  # (B, V)
+    def reserve(self, max_batch: int, max_seq: int, padded: bool = False) -> None:
+        """A KV cache of (at least) `max_batch` rows of `max_seq` positions, and the shapes a compiled or
+        graphed decode step runs at: the batch and the whole cache, or powers of two up to them (`padded`)."""
+        self.model.setup_caches(max_batch, max_seq)
+        self.max_batch, self.max_seq = max_batch, max_seq
+        self.batch_sizes = powers_of_two_up_to(1, max_batch) if padded else [max_batch]
+        self.kv_lens = powers_of_two_up_to(min(KV_BLOCK, max_seq), max_seq) if padded else [max_seq]
 
-    def decode(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """One decode step's logits (B, V) for `token` (B, 1) at cache position `input_pos` (1,), run as
-        this engine runs it (eager, compiled or graphed; with CUDA graphs, overwritten by the next step)."""
-        return self._decode(token, input_pos)
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (batch, cache positions) shapes a compiled or graphed decode step runs at; none if eager."""
+        if self.step is DecodeStep.EAGER:
+            return []
+        return [(batch, kv_len) for batch in self.batch_sizes for kv_len in self.kv_lens]
+
+    @property
+    def scratch_position(self) -> int:
+        """The cache position where padding tokens write: no sequence reads it (see the module's docstring)."""
+        return self.max_seq - 1
+
+    @property
+    def cache_bytes(self) -> int:
+        caches = [layer.attention.kv_cache for layer in self.model.layers]
+        return sum(t.numel() * t.element_size() for c in caches for t in (c.k, c.v))
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every shape of the decode step once, every row a padding row: compiles or captures each,
+        writes only the scratch position. After it, decode steps compile nothing."""
+        # torch.compile specialises on each shape, and a fullgraph compile fails past its recompile limit (8).
+        with torch._dynamo.config.patch(recompile_limit=max(len(self.shapes), 8)):
+            for batch, kv_len in self.shapes:
+                self._step_at(batch, kv_len)(torch.zeros(batch, 1, dtype=torch.long, device=self.device),
+                                             torch.full((batch, 1), self.scratch_position, device=self.device))
+
+    def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """Logits (D, V) of one step of the sequences in cache rows 0..D-1: `tokens` (D,), each at its own
+        position. With CUDA graphs, overwritten by the next step: sample from them first."""
+        tokens = torch.as_tensor(tokens, device=self.device).view(-1, 1)  # (D, 1)
+        D, longest = tokens.shape[0], max(positions) + 1
+        if self.step is DecodeStep.EAGER:
+            return self._forward(tokens, torch.tensor(positions, device=self.device)[:, None],
+                                 kv_len=kv_blocks(longest, self.max_seq))
+        batch = next(n for n in self.batch_sizes if n >= D)
+        kv_len = next(n for n in self.kv_lens if n >= longest)
+        if batch > D:
+            tokens = torch.cat([tokens, tokens.new_zeros(batch - D, 1)])
+            positions = [*positions, *[self.scratch_position] * (batch - D)]
+        return self._step_at(batch, kv_len)(tokens, torch.tensor(positions, device=self.device)[:, None])[:D]
+
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """The last logits (P, V) of every chunk, in one forward over consecutive rows from chunks[0].row,
+        left-padded to the longest chunk."""
+        longest = max(len(c.tokens) for c in chunks)
+        tokens = [[0] * (longest - len(c.tokens)) + c.tokens for c in chunks]
+        positions = [[self.scratch_position] * (longest - len(c.tokens)) + list(range(c.start, c.start + len(c.tokens)))
+                     for c in chunks]
+        rows = slice(chunks[0].row, chunks[0].row + len(chunks))
+        return self._prefill(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device),
+                             rows, max(c.start + len(c.tokens) for c in chunks))
+
+    def prefill_prompts(self, prompts: torch.Tensor) -> torch.Tensor:
+        """The last logits (B, V) of equal-length prompts (B, T), written from position 0 of rows 0..B-1."""
+        B, T = prompts.shape
+        positions = torch.arange(T, device=self.device).expand(B, T)
+        return self._prefill(prompts, positions, slice(0, B), T)
+
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy a sequence's first `length` cache positions to another row, in every layer."""
+        for layer in self.model.layers:
+            layer.attention.kv_cache.move_row(source, target, length)
+
+    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, rows: slice, longest: int) -> torch.Tensor:
+        with eager_if(self.step.compiles_layers):  # a compiled branch per prompt length otherwise
+            logits = self.model(tokens, positions, last_only=True, rows=rows, kv_len=kv_blocks(longest, self.max_seq))
+        return logits[:, -1]
+
+    def _step_at(self, batch: int, kv_len: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The decode step at one shape, made on first use (a CUDA graph captures at its first call)."""
+        if (batch, kv_len) not in self._steps:
+            at_shape = functools.partial(self._forward, kv_len=kv_len)
+            self._steps[batch, kv_len] = CudaGraphStep(at_shape, self.model) if self.step.captures_cuda_graph else at_shape
+        return self._steps[batch, kv_len]
 
     @torch.inference_mode()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int,
@@ -88,7 +195,8 @@ class Engine:
     def start(self, prompt: torch.Tensor, max_new_tokens: int,
               sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
               on_token: TokenCallback | None = None, max_seq: int | None = None) -> Generation:
-        """A generation that runs when stepped (`Generation.step`); `generate` steps it to the end."""
+        """A generation that runs when stepped (`Generation.step`); `generate` steps it to the end.
+        `max_seq`: the cache's length (default: the prompt and its new tokens), one shape for many prompts."""
         if prompt.dim() != 2 or prompt.shape[1] == 0:
             raise LadderError("prompt must be a non-empty (batch, length) tensor of token ids")
         if max_new_tokens < 1:
@@ -98,8 +206,26 @@ class Engine:
         max_seq = max_seq or T + max_new_tokens
         check_context(T, max_new_tokens, self.model.config.max_seq_len)
         check_context(T, max_new_tokens, max_seq, "the KV cache of {limit} tokens")
-        self.model.setup_caches(B, max_seq)
+        self.reserve(B, max_seq)
         return Generation(self, prompt.to(self.device), max_new_tokens, sampling, stop_ids, on_token)
+
+
+def decode_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Logits (B, V) of one token a sequence, tokens and positions (B, 1), in cache rows 0..B-1."""
+    return model(tokens, positions, rows=slice(0, tokens.shape[0]), kv_len=kv_len)[:, -1]
+
+
+def kv_blocks(needed: int, max_seq: int) -> int:
+    """Cache positions an eager forward reads: `needed` rounded up to whole blocks."""
+    return min(max_seq, -(-needed // KV_BLOCK) * KV_BLOCK)
+
+
+def powers_of_two_up_to(least: int, most: int) -> list[int]:
+    """least, 2 least, 4 least, ... below `most`, then `most`."""
+    sizes = [least]
+    while sizes[-1] * 2 < most:
+        sizes.append(sizes[-1] * 2)
+    return [n for n in sizes if n < most] + [most]
 
 
 def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
@@ -118,9 +244,6 @@ class CudaGraphStep:
     cache changes."""
 
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: Transformer) -> None:
-        device = model.device
-        if device.type != "cuda":
-            raise LadderError(f"CUDA graphs need a CUDA device; the model is on {device}")
         self.step, self.model = step, model
         self.key: tuple | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -180,18 +303,15 @@ class Generation:
         """Run the next step (the prefill first), synchronised: its time is its own."""
         if self.finished:
             raise RuntimeError("this generation is finished")
-        device, model, (B, T) = self.engine.device, self.engine.model, self.prompt.shape
+        device, (B, T) = self.engine.device, self.prompt.shape
         synchronize(device)
         start = time.perf_counter()
         if not self.out:
-            with eager_if(self.engine.step.compiles_layers):  # (one compilation per prompt length otherwise)
-                logits = model(self.prompt, torch.arange(T, device=device), last_only=True)[:, -1]  # (B, V)
-            token = sample(logits, self.sampling_rows)  # (B,)
+            token = sample(self.engine.prefill_prompts(self.prompt), self.sampling_rows)  # (B,)
             synchronize(device)
             self.prefill_s = time.perf_counter() - start
         else:
-            input_pos = torch.tensor([T + len(self.out) - 1], device=device)
-            logits = self.engine.decode(self.out[-1].view(B, 1).clone(), input_pos)
+            logits = self.engine.decode(self.out[-1], [T + len(self.out) - 1] * B)
             token = sample(logits, self.sampling_rows)
             token = torch.where(self.done, self.out[-1], token)  # finished rows repeat their stop token
             synchronize(device)

@@ -95,14 +95,14 @@ def _standard_step_times(point: BenchPoint, steps: int) -> tuple[float, float]:
     point = dataclasses.replace(point, layout="standard", ladder_layers=None)
     [model] = build_models([point], [comm], device)
     engine = Engine(model, point.decode_step)
-    model.setup_caches(point.batch_size, point.prompt_len + point.gen_len)
-    token = torch.zeros(point.batch_size, 1, dtype=torch.long, device=device)
+    engine.reserve(point.batch_size, point.prompt_len + point.gen_len)
+    token = torch.zeros(point.batch_size, dtype=torch.long, device=device)
     times = []
     with torch.inference_mode():
         for i in range(steps + 3):  # 3 warm-up steps (compiling, if the point compiles)
             if i == 3:
                 comm.reset_counters()
             start = time.perf_counter()
-            engine.decode(token, torch.tensor([point.prompt_len + i % point.gen_len], device=device))
+            engine.decode(token, [point.prompt_len + i % point.gen_len] * point.batch_size)
             times.append(time.perf_counter() - start)
     return statistics.median(times[3:]), comm.modelled_s / _NO_DURATION / steps

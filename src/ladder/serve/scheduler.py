@@ -7,7 +7,7 @@ requests being prefilled, oldest first, as many as the budget holds. So a burst 
 together, and a long prompt delays the running requests by one budget's forward at most. Every row of
 a step is sampled in one call (`ladder.sampling`), and its text comes from each request's incremental
 detokenizer. A finished, cancelled or disconnected request gives its KV-cache row back at once
-(`steps` keeps the running rows first).
+(the running rows first: `ladder.serve.steps`).
 
 The HTTP side (`ladder.serve.api`) calls `submit` and `cancel` from its thread; `run` is the engine
 thread's loop. Outputs go back through each request's `emit` callback, called on the engine thread.
@@ -29,10 +29,11 @@ import torch.distributed as dist
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.distributed import communication_failure
 from ladder.detokenizer import IncrementalDetokenizer
+from ladder.engine import Engine, PrefillChunk
 from ladder.errors import LadderError
 from ladder.sampling import SamplingBatch, SamplingParams, sample
 from ladder.serve.metrics import ServerMetrics
-from ladder.serve.steps import PrefillChunk, StepPlan, StepRunner, share_plan
+from ladder.serve.steps import StepPlan, run_plan, share_plan
 
 HEARTBEAT_S = 1.0  # an idle server still sends empty plans: the other ranks' wait must not time out
 
@@ -88,13 +89,15 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, runner: StepRunner, tokenizer: TextTokenizer | None, metrics: ServerMetrics, max_batch: int,
-                 max_waiting: int, max_num_batched_tokens: int, group: dist.ProcessGroup | None = None,
-                 world_size: int = 1) -> None:
+    """Plans the steps of `engine`, whose cache rows (`Engine.reserve`, padded) are the batch's bound."""
+
+    def __init__(self, engine: Engine, tokenizer: TextTokenizer | None, metrics: ServerMetrics, max_waiting: int,
+                 max_num_batched_tokens: int, group: dist.ProcessGroup | None = None, world_size: int = 1) -> None:
+        max_batch = engine.max_batch
         if max_num_batched_tokens < max_batch:
             raise LadderError(f"--max-num-batched-tokens {max_num_batched_tokens} is below --max-batch {max_batch}: "
                               "a step must hold one token of every running request")
-        self.runner, self.tokenizer, self.metrics = runner, tokenizer, metrics
+        self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
         self.max_batch, self.max_waiting, self.token_budget = max_batch, max_waiting, max_num_batched_tokens
         self.group, self.world_size = group, world_size
         self.eos_ids = frozenset(tokenizer.stop_ids) if tokenizer is not None else frozenset()
@@ -111,7 +114,7 @@ class Scheduler:
 
     def submit(self, prompt: list[int], params: GenerationParams, emit: Callable[[Output], None]) -> Sequence:
         seed = params.seed if params.seed is not None else random.randrange(2**63)
-        generator = torch.Generator(self.runner.device).manual_seed(seed)
+        generator = torch.Generator(self.engine.device).manual_seed(seed)
         sequence = Sequence(next(self._ids), prompt, params, emit, generator,
                             IncrementalDetokenizer(self.tokenizer, params.stop))
         with self._lock:
@@ -144,7 +147,7 @@ class Scheduler:
         try:
             while (plan := self._next_plan()) is not None:
                 plan = share_plan(plan, self.group, self.world_size)
-                decoded, prefilled = self.runner.run(plan)
+                decoded, prefilled = run_plan(self.engine, plan)
                 with self._lock:
                     self._advance(plan, decoded, prefilled)
             share_plan(StepPlan(stop=True), self.group, self.world_size)
@@ -165,7 +168,7 @@ class Scheduler:
                 self.metrics.running.set(len(self.running) + len(self.prefilling))
                 self.metrics.waiting.set(len(self.waiting))
                 held = sum(s.cached for s in [*self.running, *self.prefilling])
-                self.metrics.kv_cache_usage.set(held / (self.runner.max_batch * self.runner.max_model_len))
+                self.metrics.kv_cache_usage.set(held / (self.engine.max_batch * self.engine.max_seq))
                 if self.running or self.prefilling:
                     return self._plan()
                 if self.moves:
@@ -232,7 +235,7 @@ class Scheduler:
         text = s.detokenizer.push(token)
         if s.detokenizer.stopped:
             self._finish(s, "stop", text)
-        elif len(s.generated) >= s.params.max_tokens or s.cached + 1 >= self.runner.max_model_len:
+        elif len(s.generated) >= s.params.max_tokens or s.cached + 1 >= self.engine.max_seq:
             self._finish(s, "length", text + s.detokenizer.flush())
         elif text:
             s.emit(Output(text, None, len(s.prompt), len(s.generated)))

@@ -29,13 +29,14 @@ from ladder.comm.distributed import (DistContext, check_ranks_agree, from_every_
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
 from ladder.decode_step import DecodeStep
+from ladder.engine import Engine
 from ladder.errors import LadderError
 from ladder.limits import check_max_model_len
 from ladder.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
 from ladder.serve.api import ServerState, create_app
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import Scheduler
-from ladder.serve.steps import StepRunner, share_plan
+from ladder.serve.steps import run_plan, share_plan
 from ladder.spec import ModelSpec
 
 
@@ -85,12 +86,14 @@ def _communicator(settings: ServeSettings, ctx: DistContext | None) -> tuple[Com
     return EmulatedCommunicator(get_link(settings.interconnect), settings.model.tp, device, settings.link_scale), device
 
 
-def _runner(settings: ServeSettings, ctx: DistContext | None) -> tuple[StepRunner, object]:
+def _engine_of(settings: ServeSettings, ctx: DistContext | None) -> tuple[Engine, object]:
     comm, device = _communicator(settings, ctx)
     plan = _kv_cache_plan(settings, ctx, device)  # (before the weights: a context that cannot fit stops here)
     say(f"ladder: {plan.describe()}")
     loaded = settings.model.load(comm, device, exact=ctx is not None or settings.model.model is not None)
-    return StepRunner(loaded.model, plan.rows, plan.max_model_len, settings.decode_step), loaded
+    engine = Engine(loaded.model, settings.decode_step)
+    engine.reserve(plan.rows, plan.max_model_len, padded=True)
+    return engine, loaded
 
 
 def _kv_cache_plan(settings: ServeSettings, ctx: DistContext | None, device: torch.device) -> KvCachePlan:
@@ -115,16 +118,15 @@ def _kv_cache_plan(settings: ServeSettings, ctx: DistContext | None, device: tor
     return decision
 
 
-def _warm_up(runner: StepRunner) -> None:
-    """Compile or capture every shape of a fixed-shape decode step. Every rank calls this at the same
-    point, before its first plan: the warm-up's forwards all-reduce."""
-    fixed = runner.fixed_shapes
-    if fixed is None:
+def _warm_up(engine: Engine) -> None:
+    """Compile or capture every shape of a compiled or graphed decode step. Every rank calls this at the
+    same point, before its first plan: the warm-up's forwards all-reduce."""
+    if not engine.shapes:
         return
-    say(f"ladder: making the {runner.step.value} decode step for {len(fixed.shapes)} shapes (batch "
-        f"{'/'.join(map(str, fixed.batch_sizes))} x cache {'/'.join(map(str, fixed.kv_lens))})")
+    say(f"ladder: making the {engine.step.value} decode step for {len(engine.shapes)} shapes (batch "
+        f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))})")
     start = time.perf_counter()
-    fixed.warm_up()
+    engine.warm_up()
     say(f"ladder: decode step ready in {time.perf_counter() - start:.1f} s")
 
 
@@ -132,10 +134,10 @@ def _follow(settings: ServeSettings, ctx: DistContext) -> None:
     """A rank other than 0: run every plan until rank 0 says stop (signals are rank 0's to act on)."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
-    runner, _ = _runner(settings, ctx)
-    _warm_up(runner)
+    engine, _ = _engine_of(settings, ctx)
+    _warm_up(engine)
     while not (plan := share_plan(None, None, ctx.world_size)).stop:
-        runner.run(plan)
+        run_plan(engine, plan)
 
 
 def _serve(settings: ServeSettings, ctx: DistContext | None) -> None:
@@ -168,17 +170,17 @@ def _engine(settings: ServeSettings, ctx: DistContext | None, state: ServerState
             failure: list[str]) -> None:
     """Load the model (the HTTP server answers 503 meanwhile), then run the scheduler until shutdown."""
     try:
-        runner, loaded = _runner(settings, ctx)
+        engine, loaded = _engine_of(settings, ctx)
         say(f"ladder: {settings.model.describe(loaded)}")
-        _warm_up(runner)  # /health says 503 until it is done
+        _warm_up(engine)  # /health says 503 until it is done
         world = ctx.world_size if ctx is not None else 1
-        state.max_model_len, state.vocab_size = runner.max_model_len, loaded.model.config.vocab_size
+        state.max_model_len, state.vocab_size = engine.max_seq, loaded.model.config.vocab_size
         state.tokenizer = loaded.tokenizer
-        state.metrics.kv_cache_bytes.set(runner.cache_bytes)
-        state.scheduler = Scheduler(runner, loaded.tokenizer, state.metrics, runner.max_batch, settings.max_waiting,
+        state.metrics.kv_cache_bytes.set(engine.cache_bytes)
+        state.scheduler = Scheduler(engine, loaded.tokenizer, state.metrics, settings.max_waiting,
                                     settings.max_num_batched_tokens, None, world)
         say(f"ladder: serving {settings.name!r} on http://{settings.host}:{settings.port} (max batch "
-            f"{runner.max_batch}, context {runner.max_model_len})")
+            f"{engine.max_batch}, context {engine.max_seq})")
         state.scheduler.run()
     except BaseException as exc:  # noqa: BLE001 (the HTTP server must stop too, and the error reach the CLI)
         message = str(exc).strip()
