@@ -3,9 +3,12 @@
 import json
 
 import pytest
+import torch
 
+from ladder import config
 from ladder.config import PRESETS, ModelConfig, get_preset
 from ladder.errors import LadderError
+from ladder.spec import ModelSpec
 
 
 def test_paper_shapes():
@@ -52,3 +55,11 @@ def test_round_trip_and_unknown_keys(tmp_path):
     assert ModelConfig.from_dict(json.loads((tmp_path / "config.json").read_text())) == c
     with pytest.raises(LadderError, match="unknown config keys: n_experts"):
         ModelConfig.from_dict({**c.to_dict(), "n_experts": 8})
+
+
+@pytest.mark.parametrize("computes_in_bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_the_cpu_default_dtype_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, computes_in_bf16, expected):
+    monkeypatch.setattr(config, "cpu_computes_in_bf16", lambda: computes_in_bf16)
+    assert config.default_dtype("cpu") == expected
+    assert config.default_dtype("cuda") == "bfloat16"
+    assert ModelSpec(preset="tiny").dtype_name(torch.device("cpu")) == expected

@@ -20,7 +20,7 @@ from ladder.bench.sweep import run_sweep
 from ladder.cli.common import DTYPE_CHOICES, add_quantize_option, decode_step, exit_status, parse_hybrids, parse_list, stop_message
 from ladder.comm.distributed import is_rank0, pick_device, print_rank0, say
 from ladder.comm.links import LinkModel, get_links
-from ladder.config import default_dtype
+from ladder.config import DEFAULT_DTYPE_HELP, default_dtype
 from ladder.errors import LadderError, Stopped
 
 # The default `ladder bench`: a few minutes on a 2-core CPU, into a git-ignored scratch file.
@@ -201,7 +201,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--link-scale", type=float, default=BENCH_DEFAULTS["link_scale"],
                    help="multiply emulated link times (keep a GPU's compute:communication ratio on a slower device)")
     b.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    b.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: bfloat16 on CUDA, float32 on CPU")
+    b.add_argument("--dtype", choices=DTYPE_CHOICES, help=DEFAULT_DTYPE_HELP)
     add_quantize_option(b)
     b.add_argument("--compile", action="store_true",
                    help="compile the whole decode step (CUDA graphs on GPU; minutes for a large model)")
@@ -255,7 +255,7 @@ def add_link_parser(sub: Any) -> argparse.ArgumentParser:
     bl.add_argument("--tp", default="2", help="comma-separated numbers of ranks to time it over")
     bl.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes in bytes (K, M, G: KiB...)")
     bl.add_argument("--device", default="auto", help="cpu (gloo), cuda (NCCL) or auto")
-    bl.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: bfloat16 on CUDA, float32 on CPU")
+    bl.add_argument("--dtype", choices=DTYPE_CHOICES, help=DEFAULT_DTYPE_HELP)
     bl.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size")
     bl.add_argument("--iters", type=int, default=20, help="timed all-reduces per size")
     bl.add_argument("--json", action="store_true", help="one JSON object: the timings and the fitted link")

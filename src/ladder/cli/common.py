@@ -6,7 +6,7 @@ import argparse
 import signal
 
 from ladder.comm.distributed import is_rank0, say
-from ladder.config import DESYNC_PATTERNS, DTYPE_BYTES, LAYOUTS, PRESETS
+from ladder.config import DEFAULT_DTYPE_HELP, DESYNC_PATTERNS, DTYPE_BYTES, LAYOUTS, PRESETS
 from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError, Stopped
 from ladder.quantize import QUANTIZE_MODES
@@ -31,7 +31,7 @@ def add_model_options(p: argparse.ArgumentParser, tp_flag: bool = True) -> None:
     if tp_flag:
         g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (starts N local workers)")
     g.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    g.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, help=DEFAULT_DTYPE_HELP)
     g.add_argument("--shard-vocab", action="store_true", help="shard the output head's vocabulary")
     g.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
     add_quantize_option(g)
