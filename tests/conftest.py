@@ -1,7 +1,15 @@
 """Fixtures shared by several test files."""
 
+import os
+
 import pytest
 import torch
+
+from ladder.config import CPU_DTYPE_VARIABLE
+
+# Tests compare ladder with transformers and with itself in float32, whatever this CPU computes in: every
+# command the suite starts, in this process or another, defaults to it.
+os.environ[CPU_DTYPE_VARIABLE] = "float32"
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,13 @@ def test_round_trip_and_unknown_keys(tmp_path):
 
 @pytest.mark.parametrize("computes_in_bf16, expected", [(True, "bfloat16"), (False, "float32")])
 def test_the_cpu_default_dtype_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, computes_in_bf16, expected):
+    monkeypatch.delenv(config.CPU_DTYPE_VARIABLE)  # (the suite pins float32: tests/conftest.py)
     monkeypatch.setattr(config, "cpu_computes_in_bf16", lambda: computes_in_bf16)
     assert config.default_dtype("cpu") == expected
     assert config.default_dtype("cuda") == "bfloat16"
     assert ModelSpec(preset="tiny").dtype_name(torch.device("cpu")) == expected
+    monkeypatch.setenv(config.CPU_DTYPE_VARIABLE, "bfloat16")
+    assert config.default_dtype("cpu") == "bfloat16"
+    monkeypatch.setenv(config.CPU_DTYPE_VARIABLE, "fp8")
+    with pytest.raises(LadderError, match="LADDER_CPU_DTYPE='fp8' is not one of float32, bfloat16, float16"):
+        config.default_dtype("cpu")

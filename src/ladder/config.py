@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """The dtypes ladder runs in (`--dtype`), by name, and their size."""
 
 
-DEFAULT_DTYPE_HELP = "default: bfloat16 on CUDA and on a CPU with bf16 instructions (AVX-512 BF16, AMX), else float32"
+CPU_DTYPE_VARIABLE = "LADDER_CPU_DTYPE"
+"""Pins the CPU's default dtype whatever the CPU computes in (the test suite pins float32)."""
+
+DEFAULT_DTYPE_HELP = ("default: bfloat16 on CUDA and on a CPU with bf16 instructions (AVX-512 BF16, AMX), else "
+                      f"float32 (${CPU_DTYPE_VARIABLE} pins the CPU's)")
 
 
 def default_dtype(device_type: str) -> str:
@@ -38,7 +43,11 @@ def default_dtype(device_type: str) -> str:
     EPYC: 3x slower in bf16; docs/serving.md)."""
     if device_type == "cuda":
         return "bfloat16"
-    return "bfloat16" if device_type == "cpu" and cpu_computes_in_bf16() else "float32"
+    if pinned := os.environ.get(CPU_DTYPE_VARIABLE):
+        if pinned not in DTYPE_BYTES:
+            raise LadderError(f"{CPU_DTYPE_VARIABLE}={pinned!r} is not one of {', '.join(DTYPE_BYTES)}")
+        return pinned
+    return "bfloat16" if cpu_computes_in_bf16() else "float32"
 
 
 @functools.cache
