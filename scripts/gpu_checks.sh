@@ -40,8 +40,10 @@
 #   RESULTS=.gpu-results bash scripts/gpu_checks.sh; cp -r .gpu-results "$OUT"/   (.gpu-results is ignored by git)
 # The layouts of a configuration share one process and its weights and take turns (--interleave).
 # What is still unmeasured after the H200 lease of 2026-11-26 (results/gpu/h200/report.md), in the order a
-# 15-minute lease gets most from (about 6 minutes a call; the first call also starts the machine):
-#   STEPS=env,shard-compiled,quantized RESULTS=.gpu-results DEADLINE_S=540 COMPILED_BATCHES=16,4 QUANTIZE_BATCHES=1 \
+# 15-minute lease gets most from (about 6 minutes a call; the first call also starts the machine). The
+# CUDA tests first: the engine became one for generate, bench and serve at d9b2311, after that lease, and
+# its CUDA-graph paths have not run on a GPU since:
+#   STEPS=env,tests,shard-compiled,quantized RESULTS=.gpu-results DEADLINE_S=540 COMPILED_BATCHES=16,4 QUANTIZE_BATCHES=1 \
 #     COMPILE="--compile-layers --cuda-graph" STEP_70B="--compile-layers --cuda-graph" RUNS=2 bash scripts/gpu_checks.sh
 #   then STEPS=hybrid with STEP_70B="--compile-layers --cuda-graph" (carry .whl with torchao for quantized).
 set -euo pipefail
