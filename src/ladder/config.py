@@ -41,8 +41,8 @@ def default_dtype(device_type: str) -> str:
     and on a CPU that computes in bf16 (its bf16 linear layers ran 2.1x faster than fp32's on an AVX-512
     BF16 CPU); float32 on other CPUs, which convert bf16 in software (a batch-8 server step on an AVX2
     EPYC: 3x slower in bf16; docs/serving.md)."""
-    if device_type == "cuda":
-        return "bfloat16"
+    if device_type != "cpu":
+        return "bfloat16" if device_type == "cuda" else "float32"
     if pinned := os.environ.get(CPU_DTYPE_VARIABLE):
         if pinned not in DTYPE_BYTES:
             raise LadderError(f"{CPU_DTYPE_VARIABLE}={pinned!r} is not one of {', '.join(DTYPE_BYTES)}")

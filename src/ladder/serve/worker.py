@@ -86,7 +86,7 @@ def _communicator(settings: ServeSettings, ctx: DistContext | None) -> tuple[Com
     return EmulatedCommunicator(get_link(settings.interconnect), settings.model.tp, device, settings.link_scale), device
 
 
-def _engine_of(settings: ServeSettings, ctx: DistContext | None) -> tuple[Engine, object]:
+def _load_engine(settings: ServeSettings, ctx: DistContext | None) -> tuple[Engine, object]:
     comm, device = _communicator(settings, ctx)
     plan = _kv_cache_plan(settings, ctx, device)  # (before the weights: a context that cannot fit stops here)
     say(f"ladder: {plan.describe()}")
@@ -134,7 +134,7 @@ def _follow(settings: ServeSettings, ctx: DistContext) -> None:
     """A rank other than 0: run every plan until rank 0 says stop (signals are rank 0's to act on)."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
-    engine, _ = _engine_of(settings, ctx)
+    engine, _ = _load_engine(settings, ctx)
     _warm_up(engine)
     while not (plan := share_plan(None, None, ctx.world_size)).stop:
         run_plan(engine, plan)
@@ -170,7 +170,7 @@ def _engine(settings: ServeSettings, ctx: DistContext | None, state: ServerState
             failure: list[str]) -> None:
     """Load the model (the HTTP server answers 503 meanwhile), then run the scheduler until shutdown."""
     try:
-        engine, loaded = _engine_of(settings, ctx)
+        engine, loaded = _load_engine(settings, ctx)
         say(f"ladder: {settings.model.describe(loaded)}")
         _warm_up(engine)  # /health says 503 until it is done
         world = ctx.world_size if ctx is not None else 1
