@@ -4,8 +4,10 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ladder import config
+from ladder import model as model_module
 from ladder.config import PRESETS, ModelConfig, get_preset
 from ladder.errors import LadderError
 from ladder.spec import ModelSpec
@@ -69,3 +71,17 @@ def test_the_cpu_default_dtype_is_bf16_only_where_the_cpu_computes_in_bf16(monke
     monkeypatch.setenv(config.CPU_DTYPE_VARIABLE, "fp8")
     with pytest.raises(LadderError, match="LADDER_CPU_DTYPE='fp8' is not one of float32, bfloat16, float16"):
         config.default_dtype("cpu")
+
+
+@pytest.mark.parametrize("computes_in_bf16", [True, False])
+def test_half_precision_attention_runs_upcast_on_a_cpu_without_bf16_arithmetic(monkeypatch, computes_in_bf16):
+    monkeypatch.setattr(model_module, "CPU_COMPUTES_IN_BF16", computes_in_bf16)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 5, 16, generator=generator, dtype=torch.bfloat16) for n in (4, 2, 2))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    for m in (mask, None):
+        upcast = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, is_causal=m is None,
+                                                enable_gqa=True).to(torch.bfloat16)
+        native = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None, enable_gqa=True)
+        assert not torch.equal(upcast, native)  # the two differ, so the test tells them apart
+        assert torch.equal(model_module.attend(q, k, v, m), native if computes_in_bf16 else upcast)

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladder.config import ModelConfig, ShardShape
+from ladder.config import ModelConfig, ShardShape, cpu_computes_in_bf16
 from ladder.comm.base import Communicator, Done, Handle, LocalCommunicator
 from ladder.errors import LadderError
+
+CPU_COMPUTES_IN_BF16 = cpu_computes_in_bf16()  # else half-precision attention runs upcast (`attend`)
 
 
 class RMSNorm(nn.Module):
@@ -63,6 +65,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in the Hugging Face ("rotate half") layout. x: (B, H, T, hd), cos/sin: (B, 1, T, hd)."""
     return x * cos + rotate_half(x) * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention (causal without a mask), in float32 where the tensors are half precision
+    on a CPU without bf16 arithmetic: AVX2 emulates bf16, and SmolLM2's decode attention ran 2.5x slower
+    in it than upcast (the KV cache stays in the model's dtype)."""
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not CPU_COMPUTES_IN_BF16:
+        q, k, v = q.float(), k.float(), v.float()
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).to(dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).to(dtype)
 
 
 class KVCache(nn.Module):
@@ -114,9 +128,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None and input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v, rows, mask.shape[-1])  # (B, n_kv, S, hd)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = attend(q, k, v, mask if input_pos is not None and self.kv_cache is not None else None)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, n_heads * hd)
         return self.wo(y)  # (B, T, dim), partial
 
