@@ -15,11 +15,13 @@ buy in speed on this CPU, and what they do to ladder's gain.
   (to 25 % of the unquantized standard step: `--comm-share 0.25`) and that dilation is kept for the
   quantized runs, so the link costs the same while the compute shrinks, as on a real machine.
 
-    .venv/bin/python experiments/quantization.py [--parts quality,answers,speed,serve,gain] [--llama-cpp-python PATH]
+    .venv/bin/python experiments/quantization.py [--parts quality,answers,speed,memory,serve,gain] [--llama-cpp-python PATH]
 
 Writes results/quantization/{quality,answers,speed}.jsonl, gain.jsonl (ladder bench's records) and report.md.
 (answers: greedy chat answers of standard and hybrid-8 at TP 1 and 2 in each weight format; serve: the
-engine-speed issue's burst load against `ladder serve` in each weight format, results/quantization/serve.jsonl.)
+engine-speed issue's burst load against `ladder serve` in each weight format, results/quantization/serve.jsonl;
+memory: the peak of torch's CPU allocations while SmolLM2 loads and generates, against `ladder.memory`'s estimate,
+results/quantization/memory.jsonl.)
 """
 
 import argparse
@@ -42,7 +44,10 @@ from ladder.corpora import python_docs_text, shakespeare_text
 from ladder.decode_step import DecodeStep
 from ladder.engine import Engine
 from ladder.evaluate import perplexity
+from ladder.memory import estimate_memory_bytes, peak_cpu_bytes
+from ladder.packing import weight_bytes
 from ladder.predict.costmodel import get_gpu, predict_table
+from ladder.quantize import check_quantize
 from ladder.sampling import SamplingParams
 from ladder.spec import ModelSpec
 
@@ -192,6 +197,36 @@ def speed(llama_cpp_python: str | None) -> list[dict]:
     return rows
 
 
+MEMORY_CONFIGS = [("float32", None), ("float32", "int8"), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")]
+
+
+def memory_peak(dtype: str, mode: str | None, step: DecodeStep) -> dict:
+    """Peak of torch's CPU tensor bytes while SmolLM2 loads and generates (64 prompt and 64 new tokens,
+    batch 1), against `ladder.memory`'s estimate of the same run."""
+    spec = ModelSpec(model=MODEL, dtype=dtype, quantize=mode, device="cpu")
+    config = spec.config()  # the header read, and torchao imported, before the measure
+    check_quantize(mode, "cpu", getattr(torch, dtype))
+    prompt = torch.randint(100, 40000, (1, 64), generator=torch.Generator().manual_seed(0))
+
+    def run() -> int:
+        model = spec.load(LocalCommunicator(), torch.device("cpu")).model
+        Engine(model, step).generate(prompt, 64, SamplingParams(temperature=0), max_seq=128)
+        return weight_bytes(model)
+
+    peak, weights = peak_cpu_bytes(run)
+    estimate = estimate_memory_bytes(config, 1, 1, 64, 128, getattr(torch, dtype).itemsize, quantize=mode)
+    return {"dtype": dtype, "quantize": label(mode), "step": step.value, "peak_bytes": peak,
+            "weight_bytes": weights, "estimate_bytes": estimate, "peak_over_estimate": peak / estimate}
+
+
+def memory() -> list[dict]:
+    rows = [memory_peak(dtype, mode, DecodeStep.EAGER) for dtype, mode in MEMORY_CONFIGS]
+    rows += [memory_peak("bfloat16", mode, DecodeStep.COMPILED) for mode in ("int8", "int4")]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 SERVERS = {  # label: `ladder serve` options beyond the model and the README's --max-batch 8 --max-model-len 512
     "fp32 (README flags)": [],
     "bf16, compiled layers": ["--dtype", "bfloat16", "--compile-layers"],
@@ -268,6 +303,15 @@ def speed_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def memory_table(rows: list[dict]) -> list[str]:
+    lines = ["| dtype | weights | decode step | peak (MB) | weights after load (MB) | estimate (MB) | peak / estimate |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['quantize']} | {r['step']} | {r['peak_bytes'] / 2**20:.1f} | "
+                     f"{r['weight_bytes'] / 2**20:.1f} | {r['estimate_bytes'] / 2**20:.1f} | {r['peak_over_estimate']:.3f} |")
+    return lines
+
+
 def gain_table(path: Path) -> list[str]:
     rows = summarise(json.loads(line) for line in path.read_text().splitlines())
     lines = ["| weights | batch | standard tok/s | ladder tok/s | upper bound tok/s | comm. share of standard | "
@@ -313,6 +357,10 @@ def report() -> None:
     if (OUT / "speed.jsonl").exists():
         sections += ["## Speed: batch-1 decoding of SmolLM2, 64 prompt and 128 new tokens (median step)", "",
                      *speed_table(read_jsonl(OUT / "speed.jsonl")), ""]
+    if (OUT / "memory.jsonl").exists():
+        sections += ["## Memory: peak of torch's CPU allocations while SmolLM2 loads and generates 64 tokens "
+                     "(`ladder.memory.peak_cpu_bytes`) against `ladder.memory`'s estimate", "",
+                     *memory_table(read_jsonl(OUT / "memory.jsonl")), ""]
     if (OUT / "serve.jsonl").exists():
         sections += ["## The server under the burst load (32 requests, 8 in flight, 64 prompt + 64 output tokens)", "",
                      *serve_table(OUT / "serve.jsonl"), ""]
@@ -326,7 +374,7 @@ def report() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="quality,answers,speed,serve,gain")
+    parser.add_argument("--parts", default="quality,answers,speed,memory,serve,gain")
     parser.add_argument("--llama-cpp-python", help="a Python with llama-cpp-python installed (the CPU peer)")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -337,6 +385,8 @@ def main() -> None:
         write_jsonl(OUT / "answers.jsonl", answers())
     if "speed" in parts:
         write_jsonl(OUT / "speed.jsonl", speed(args.llama_cpp_python))
+    if "memory" in parts:
+        write_jsonl(OUT / "memory.jsonl", memory())
     if "serve" in parts:
         serve()
     if "gain" in parts:

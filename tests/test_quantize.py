@@ -14,9 +14,13 @@ from ladder import quantize as quantize_module
 from ladder.decode_step import DecodeStep
 from ladder.engine import Engine
 from ladder.errors import LadderError
-from ladder.memory import weight_set_bytes
+from ladder.checkpoint.hf import save_random_hf
+from ladder.checkpoint.tokenizer import TextTokenizer
+from ladder.comm.base import LocalCommunicator
+from ladder.memory import block_linear_params, peak_cpu_bytes, weight_set_bytes
 from ladder.packing import PackedLinear, weight_bytes
 from ladder.quantize import block_linears, check_quantize, is_quantized, quantize_shard
+from ladder.spec import ModelSpec
 
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
 DECODE = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(4))
@@ -40,12 +44,15 @@ def test_quantized_logits_stay_within_the_quantization_error(layout, mode, dtype
     assert min(errors) > 1e-4  # the weights were quantized: not the unquantized model again
 
 
-def test_only_the_block_linears_are_quantized():
-    model = make_model(tiny(tie_embeddings=True, **QUANTIZABLE), quantize="int8")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_block_linears_are_quantized_and_the_head_with_int8_only(mode):
+    model = make_model(tiny(tie_embeddings=True, **QUANTIZABLE), quantize=mode)
     quantized = [name for name, module in model.named_modules() if is_quantized(module)]
-    assert quantized == [name for name, _ in block_linears(model)]
-    assert len(quantized) == 4 * model.config.n_layers
-    assert not is_quantized(model.output) and model.output.weight is model.tok_embeddings.weight  # still tied
+    head = ["output"] if mode == "int8" else []
+    assert quantized == [name for name, _ in block_linears(model)] + head
+    assert len(quantized) == 4 * model.config.n_layers + len(head)
+    assert type(model.tok_embeddings.weight) is torch.nn.Parameter  # the embedding only gathers rows
+    assert (model.output.weight is model.tok_embeddings.weight) == (mode == "int4")  # int8: the head's own copy
     assert type(model.layers[0].attention_norm.weight) is torch.nn.Parameter
 
 
@@ -57,6 +64,31 @@ def test_the_memory_estimate_counts_the_quantized_tensors_bytes(mode, dtype):
     quantize_shard(model, mode)
     # The estimate takes every row as dim wide (int8's scale per row); the MLP's down rows are wider.
     assert weight_set_bytes(config, 1, dtype.itemsize, mode) == pytest.approx(weight_bytes(model), rel=0.02)
+
+
+def test_an_int8_head_quantized_in_row_chunks_is_torchaos_whole_table():
+    ao = quantize_module._torchao()
+    head = torch.nn.Linear(64, 1000, bias=False).to(torch.bfloat16)
+    chunked = quantize_module.int8_in_row_chunks(ao, head.weight, rows=300)  # the last chunk short
+    ao.quantize_(head, ao.Int8WeightOnlyConfig())
+    assert torch.equal(chunked.qdata, head.weight.qdata) and torch.equal(chunked.scale, head.weight.scale)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(torch.nn.functional.linear(x, chunked), head(x))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_load_never_holds_the_unquantized_shard(tmp_path, mode):
+    """Each block is quantized as soon as it is filled: loading peaks near the quantized model's bytes plus
+    one unquantized block, where quantizing after the load would hold all eight blocks unquantized first."""
+    config = tiny(n_layers=8, dim=128, ffn_hidden=384)
+    folder = save_random_hf(tmp_path / "deep", config, TextTokenizer.bytes())
+    spec = ModelSpec(model=str(folder), dtype="float32", quantize=mode)
+    spec.config(), quantize_module._torchao()  # the header read and torchao imported, outside the measure
+    peak, loaded = peak_cpu_bytes(lambda: spec.load(LocalCommunicator(), torch.device("cpu")))
+    block = block_linear_params(config) // config.n_layers * 4  # one block's linears in float32
+    assert weight_bytes(loaded.model) + 3 * block < 8 * block  # the bound below tells the two apart
+    assert peak < weight_bytes(loaded.model) + 3 * block
+    assert all(is_quantized(linear) for _, linear in block_linears(loaded.model))
 
 
 def test_an_eager_cpu_step_packs_the_plain_layers_and_keeps_torchaos():

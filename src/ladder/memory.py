@@ -4,13 +4,15 @@ cannot fit before launching, and `ladder predict` marks the rows that could not 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ladder.config import ModelConfig, ShardShape
 from ladder.errors import LadderError
-from ladder.quantize import bytes_per_weight
+from ladder.quantize import bytes_per_weight, quantizes_head
 
 MEMORY_USABLE = 0.9  # of a device's memory; the rest is the allocator's, CUDA's and the graphs' own
 
@@ -36,12 +38,17 @@ def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: 
 
 def weight_set_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str | None = None) -> float:
     """One rank's weights: the block linears split by `tp` (quantized, when asked, at their bytes per
-    weight with scales), the vocabulary tables whole on every rank, in the model's dtype."""
-    vocab_weights = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
+    weight with scales), the vocabulary tables whole on every rank: the embedding in the model's dtype,
+    the head too unless `quantize` quantizes it (a tied head then gets a quantized copy of its own)."""
+    table = config.vocab_size * config.dim
     linears = block_linear_params(config)
-    rest = config.n_params() - linears - vocab_weights  # the norms
+    rest = config.n_params() - linears - table * (1 if config.tie_embeddings else 2)  # the norms
     per_weight = bytes_per_weight(quantize, dtype_bytes, row_width=config.dim)  # most rows are dim wide
-    return (linears * per_weight + rest * dtype_bytes) / tp + vocab_weights * dtype_bytes
+    if quantizes_head(quantize):
+        vocab_tables = table * (dtype_bytes + per_weight)
+    else:
+        vocab_tables = table * dtype_bytes * (1 if config.tie_embeddings else 2)
+    return (linears * per_weight + rest * dtype_bytes) / tp + vocab_tables
 
 
 def block_linear_params(config: ModelConfig) -> int:
@@ -137,3 +144,19 @@ def plan_kv_cache(config: ModelConfig, tp: int, dtype_bytes: int, budget_bytes: 
                           f"positions at {per_position} bytes each; one sequence of {asked} positions needs "
                           f"{size_text(asked * per_position)}: raise --kv-cache-memory or lower --max-model-len")
     return KvCachePlan(rows, length, rows * length * per_position, budget_bytes)
+
+
+def peak_cpu_bytes(run: Callable[[], Any]) -> tuple[int, Any]:
+    """The peak of torch's CPU tensor bytes allocated while `run()` runs, above those live before it,
+    and what it returned: from the profiler's allocation and free events (CUDA has
+    `torch.cuda.max_memory_allocated`; a CPU process's resident size also counts the allocator's cache
+    and mapped files). Slow on big runs: every allocation is recorded."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = run()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, n_bytes in changes:
+        live += n_bytes
+        peak = max(peak, live)
+    return peak, result

@@ -23,8 +23,8 @@ from ladder.comm.distributed import pick_device
 from ladder.config import DTYPE_BYTES, ModelConfig, default_dtype, get_preset
 from ladder.errors import LadderError
 from ladder.model import Transformer
-from ladder.quantize import check_quantize, quantize_shard
-from ladder.weights import build_model, load_weights, random_model
+from ladder.quantize import check_quantize, check_shard, quantize_layers, quantize_shard
+from ladder.weights import build_model, fill_random, load_weights
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
@@ -141,15 +141,19 @@ class ModelSpec:
             config.check_tp(comm.world_size)
         else:
             config.check_run_tp(comm.world_size)
-        if self.model is None:
-            model = random_model(config, comm, device, dtype, seed=self.seed, shard_vocab=self.shard_vocab,
-                                 exact=exact)
-            quantize_shard(model, self.quantize)
+        opened = checkpoint(self.model) if self.model is not None else None
+        # Quantizing, each block is quantized as soon as it is filled: the unquantized shard is never whole.
+        after_block = functools.partial(quantize_layers, mode=self.quantize) if self.quantize else None
+        model = build_model(config, comm, device, dtype, shard_vocab=self.shard_vocab, blocks_later=bool(after_block))
+        if self.quantize:
+            check_shard(model, self.quantize)  # before any weights load
+        if opened is None:
+            fill_random(model, self.seed, exact, after_block)
+        else:
+            load_weights(model, opened.source, after_block)
+        quantize_shard(model, self.quantize)  # the head, for int8
+        if opened is None:
             return LoadedModel(model.eval(), None, True, time.perf_counter() - start, "random")
-        opened = checkpoint(self.model)
-        model = build_model(config, comm, device, dtype, shard_vocab=self.shard_vocab)
-        load_weights(model, opened.source)
-        quantize_shard(model, self.quantize)
         return LoadedModel(model.eval(), opened.tokenizer, False, time.perf_counter() - start, opened.format)
 
     def describe(self, loaded: LoadedModel) -> str:

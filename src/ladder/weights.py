@@ -8,16 +8,18 @@ gate/up matrices are assembled per rank after slicing by heads.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from ladder.comm.base import Communicator
 from ladder.config import ModelConfig, ShardShape
 from ladder.errors import LadderError
-from ladder.model import Transformer
+from ladder.model import Block, RMSNorm, Transformer
 
 Slice = tuple[slice, slice]  # (rows, columns)
 ALL: Slice = (slice(None), slice(None))
@@ -105,14 +107,34 @@ def shard_plan(config: ModelConfig, shard: ShardShape, rank: int
 
 
 def build_model(config: ModelConfig, comm: Communicator, device: torch.device,
-                dtype: torch.dtype = torch.float32, shard_vocab: bool = False) -> Transformer:
-    """Build on the meta device, then allocate (uninitialised) only this rank's shard on `device`."""
+                dtype: torch.dtype = torch.float32, shard_vocab: bool = False,
+                blocks_later: bool = False) -> Transformer:
+    """Build on the meta device, then allocate (uninitialised) only this rank's shard on `device`, in
+    `dtype` directly. `blocks_later`: leave the blocks on the meta device for `load_weights` or
+    `init_local_shard` to allocate one at a time, so that a quantized shard is never held whole
+    unquantized (each block is quantized as soon as it is filled: `after_block`)."""
     with torch.device("meta"):
-        model = Transformer(config, comm, shard_vocab=shard_vocab)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(config, comm, shard_vocab=shard_vocab).to(dtype)
+    model.to_empty(device=device, recurse=False)
+    for name, part in model.named_children():
+        if not (blocks_later and name == "layers"):
+            part.to_empty(device=device)
     model.tie_weights()
     model.reset_buffers()
     return model
+
+
+def _allocated(block: nn.Module, device: torch.device) -> nn.Module:
+    """A block left on the meta device by `build_model(blocks_later=True)`, allocated now."""
+    if any(p.is_meta for p in block.parameters()):
+        block.to_empty(device=device)
+    return block
+
+
+def _block_index(entry: tuple[str, object]) -> int | None:
+    """The layer a shard plan's parameter belongs to (None: the embedding, final norm and head)."""
+    name = entry[0]
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
 def share_weights(config: ModelConfig, comm: Communicator, like: Transformer) -> Transformer | None:
@@ -132,24 +154,30 @@ def share_weights(config: ModelConfig, comm: Communicator, like: Transformer) ->
     return model
 
 
-def load_weights(model: Transformer, source: TensorSource) -> None:
-    """Copy this rank's slices of every Hugging Face tensor in `source` into `model`."""
+def load_weights(model: Transformer, source: TensorSource,
+                 after_block: Callable[[nn.Module], None] | None = None) -> None:
+    """Copy this rank's slices of every Hugging Face tensor in `source` into `model`, block by block
+    (allocating blocks that `build_model` left for later), calling `after_block` on each block filled."""
     config, rank = model.config, model.comm.rank
-    params = dict(model.named_parameters(remove_duplicate=False))
     available = source.names()
-    for name, parts in shard_plan(config, model.shard, rank):
-        if name == "output.weight" and config.tie_embeddings and not model.shard_vocab:
-            continue  # shares the embedding's storage
-        missing = [hf for hf, _ in parts if hf not in available]
-        if missing:
-            raise LadderError(f"checkpoint has no tensor {missing[0]!r}")
-        tensor = _assemble(source, parts)
-        param = params[name]
-        if tensor.shape != param.shape:
-            raise LadderError(f"tensor for {name} has shape {tuple(tensor.shape)}, the config implies "
-                              f"{tuple(param.shape)} (config and checkpoint disagree)")
-        with torch.no_grad():
-            param.copy_(tensor)
+    tied = config.tie_embeddings and not model.shard_vocab  # the head shares the embedding's storage
+    plan = [(name, parts) for name, parts in shard_plan(config, model.shard, rank) if not (tied and name == "output.weight")]
+    for index, entries in itertools.groupby(plan, key=_block_index):
+        if index is not None:
+            _allocated(model.layers[index], model.device)
+        for name, parts in entries:
+            missing = [hf for hf, _ in parts if hf not in available]
+            if missing:
+                raise LadderError(f"checkpoint has no tensor {missing[0]!r}")
+            tensor = _assemble(source, parts)
+            param = model.get_parameter(name)
+            if tensor.shape != param.shape:
+                raise LadderError(f"tensor for {name} has shape {tuple(tensor.shape)}, the config implies "
+                                  f"{tuple(param.shape)} (config and checkpoint disagree)")
+            with torch.no_grad():
+                param.copy_(tensor)
+        if index is not None and after_block is not None:
+            after_block(model.layers[index])
 
 
 def init_hf_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32
@@ -173,29 +201,46 @@ def init_hf_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = 
     return out
 
 
-def init_local_shard(model: Transformer, seed: int = 0) -> None:
+def init_local_shard(model: Transformer, seed: int = 0,
+                     after_block: Callable[[nn.Module], None] | None = None) -> None:
     """Random weights drawn directly in this rank's shard: for speed benchmarks of models too large to
-    build whole (the values differ from any single-process model; only their shapes are meaningful)."""
+    build whole (the values differ from any single-process model; only their shapes are meaningful).
+    Blocks as in `load_weights`: allocated if left for later, `after_block` called on each."""
     gen = torch.Generator(device=model.device).manual_seed(seed + 7919 * model.comm.rank)
+    parts = [block for name, module in model.named_children() for block in (module if name == "layers" else [module])]
+    seen: set[int] = set()  # a tied head's weight is the embedding's, drawn once
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+        for part in parts:
+            for name, p in _allocated(part, model.device).named_parameters():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if name.endswith("norm.weight") or isinstance(part, RMSNorm):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+            if isinstance(part, Block) and after_block is not None:
+                after_block(part)
 
 
 def random_model(config: ModelConfig, comm: Communicator, device: torch.device,
                  dtype: torch.dtype = torch.float32, seed: int = 0, shard_vocab: bool = False,
-                 exact: bool = True) -> Transformer:
+                 exact: bool = True, after_block: Callable[[nn.Module], None] | None = None) -> Transformer:
     """A model with seeded random weights. `exact`: every rank holds slices of the same full model
-    (so any TP degree computes the same function); otherwise each rank draws its shard directly."""
-    model = build_model(config, comm, device, dtype, shard_vocab)
-    if exact:
-        load_weights(model, DictSource(init_hf_state_dict(config, seed)))
-    else:
-        init_local_shard(model, seed)
+    (so any TP degree computes the same function); otherwise each rank draws its shard directly.
+    `after_block`: as `load_weights`, the blocks then allocated one at a time."""
+    model = build_model(config, comm, device, dtype, shard_vocab, blocks_later=after_block is not None)
+    fill_random(model, seed, exact, after_block)
     return model
+
+
+def fill_random(model: Transformer, seed: int = 0, exact: bool = True,
+                after_block: Callable[[nn.Module], None] | None = None) -> None:
+    """`random_model`'s weights, into a model that `build_model` made."""
+    if exact:
+        load_weights(model, DictSource(init_hf_state_dict(model.config, seed)), after_block)
+    else:
+        init_local_shard(model, seed, after_block)
 
 
 def hf_views(model: Transformer, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

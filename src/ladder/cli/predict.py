@@ -17,7 +17,7 @@ from ladder.memory import MEMORY_USABLE
 from ladder.predict.costmodel import GPUS, get_gpu, predict_table
 from ladder.predict.fit import score, stored_accuracy, validate, validate_unseen
 from ladder.predict.paper import UNSEEN_SETTINGS
-from ladder.quantize import bytes_per_weight
+from ladder.quantize import bytes_per_weight, quantizes_head
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -62,7 +62,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def quantized_label(mode: str | None) -> str:
     if mode is None:
         return ""
-    return f", block linears {mode} ({bytes_per_weight(mode, 2):g} bytes a weight with scales, bf16 elsewhere)"
+    linears = "block linears and head" if quantizes_head(mode) else "block linears"
+    return f", {linears} {mode} ({bytes_per_weight(mode, 2):g} bytes a weight with scales, bf16 elsewhere)"
 
 
 def model_label(name_or_path: str) -> str:

@@ -32,7 +32,7 @@ from ladder.comm.links import LinkModel
 from ladder.config import ModelConfig, ShardShape, check_hybrids, get_preset, layout_variants
 from ladder.errors import LadderError
 from ladder.memory import estimate_memory_bytes, fits_in, kv_cache_bytes
-from ladder.quantize import bytes_per_weight
+from ladder.quantize import bytes_per_weight, quantizes_head
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,17 @@ class Workload:
     gen_len: int = 512
     dtype_bytes: int = 2
     ladder_layers: int | None = None  # the ladder layout: on the last N layers only (hybrid); None: all
-    quantize: str | None = None  # weight-only int8 or int4 block linears: fewer bytes a step, same FLOPs
+    quantize: str | None = None  # weight-only int8 (and head) or int4 block linears: fewer bytes a step
 
     @property
     def linear_weight_bytes(self) -> float:
-        """Bytes a step reads per block-linear weight (the embedding and head stay in `dtype_bytes`)."""
+        """Bytes a step reads per block-linear weight."""
         return bytes_per_weight(self.quantize, self.dtype_bytes)
+
+    @property
+    def head_weight_bytes(self) -> float:
+        """Bytes a step reads per output-head weight: int8 quantizes the head too, int4 does not."""
+        return self.linear_weight_bytes if quantizes_head(self.quantize) else self.dtype_bytes
 
 
 def _t(x: float | torch.Tensor) -> torch.Tensor:
@@ -149,7 +154,7 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     """`predict_seconds` of many generations of one model shape at once, as a tensor: the fit
     evaluates all its rows at each of its steps."""
     c, by = _one_shape(workloads, layouts)
-    wb = workloads[0].linear_weight_bytes
+    wb, head_wb = workloads[0].linear_weight_bytes, workloads[0].head_weight_bytes
     rows = _Rows.of(workloads, links)
     hd = c.head_dim
     attn_params = (c.dim * (rows.heads + 2 * rows.kv_heads) * hd + rows.heads * hd * c.dim)
@@ -172,7 +177,7 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     pre_attn = roof(wb * attn_params, 2 * n * attn_params + 2 * b * rows.heads * prompt_len ** 2 * hd)
     pre_mlp = roof(wb * mlp_params, 2 * n * mlp_params)
     prefill = (combine(pre_attn, pre_mlp, rows.prefill_all_reduce, prefill_interference(k, b))
-               + roof(by * head_params, 2 * n * head_params))
+               + roof(head_wb * head_params, 2 * n * head_params))
 
     # decode: one token per sequence. Like gpt-fast, the engine attends over the whole static cache
     # (prompt + gen positions, masked), so every step reads all of it.
@@ -182,7 +187,7 @@ def predict_seconds_of(workloads: Sequence[Workload], layouts: Sequence[str], gp
     dec_attn = roof(wb * attn_params, 2 * b * attn_params) + kv_s
     dec_mlp = roof(wb * mlp_params, 2 * b * mlp_params)
     step = (combine(dec_attn, dec_mlp, rows.decode_all_reduce, interference(k, b))
-            + roof(by * head_params, 2 * b * head_params) + step_s)
+            + roof(head_wb * head_params, 2 * b * head_params) + step_s)
     return prefill + gen_len * step
 
 
