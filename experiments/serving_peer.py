@@ -17,8 +17,10 @@ Then batch-1 decoding outside any server, in this process: ladder's `Engine` (wh
 runs) and transformers' `generate` on the same folder, 64 prompt and 128 new tokens.
 
     .venv/bin/python experiments/serving_peer.py [--dtypes float32,bfloat16] [--rounds 1] [--llama-server PATH]
+    .venv/bin/python experiments/serving_peer.py --batch-one-only --rounds 5   # batch-1 decoding only, in turns
 
-Writes results/serve/peer.jsonl (every run) and results/serve/peer.md (the table).
+Writes results/serve/peer.jsonl (every run) and results/serve/peer.md (the table); with --batch-one-only,
+results/serve/batch-one-decoding.{jsonl,md}.
 """
 
 import argparse
@@ -111,6 +113,29 @@ def batch_one_decoding(dtype: str, new_tokens: int = 128) -> list[dict]:
     return rows
 
 
+def batch_one_in_turns(dtypes: list[str], rounds: int) -> None:
+    """Only the batch-1 decoding, `rounds` times in turns (ladder, transformers, each dtype), so the
+    machine's drift hits both alike: results/serve/batch-one-decoding.{jsonl,md}."""
+    write_folder()
+    rows = []
+    for round_ in range(rounds):
+        for dtype in dtypes:
+            rows += [{**row, "round": round_} for row in batch_one_decoding(dtype)]
+            print(json.dumps(rows[-2:]), flush=True)
+    shutil.rmtree(FOLDER, ignore_errors=True)
+    (OUT / "batch-one-decoding.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs: dict[str, list[float]] = {}
+    for r in rows:
+        runs.setdefault(r["label"], []).append(r["decode_tokens_per_s"])
+    lines = ["| batch-1 decoding, no server, SmolLM2, 64 prompt + 128 new tokens | decode tok/s (median) | range |",
+             "|---|---|---|"]
+    lines += [f"| {label} | {statistics.median(v):.1f} | {min(v):.1f}-{max(v):.1f} |" for label, v in runs.items()]
+    lines += ["", f"{rounds} rounds in turns, {torch.get_num_threads()} threads. `.venv/bin/python "
+              f"experiments/serving_peer.py --batch-one-only --rounds {rounds} --dtypes {','.join(dtypes)}`."]
+    (OUT / "batch-one-decoding.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def summary() -> None:
     rows = [json.loads(line) for line in (OUT / "peer.jsonl").read_text().splitlines()]
     runs: dict[tuple[str, str, float], list[dict]] = {}
@@ -147,7 +172,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (optional)")
     parser.add_argument("--summary-only", action="store_true", help="rewrite peer.md from peer.jsonl")
+    parser.add_argument("--batch-one-only", action="store_true",
+                        help="only ladder's and transformers' batch-1 decoding, in turns (batch-one-decoding.md)")
     args = parser.parse_args()
+    if args.batch_one_only:
+        return batch_one_in_turns(args.dtypes.split(","), args.rounds)
     if not args.summary_only:
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "peer.jsonl").unlink(missing_ok=True)

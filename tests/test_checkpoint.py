@@ -1,6 +1,7 @@
 """Real checkpoints: the SmolLM2 GGUF against transformers, tiny HF checkpoints written by transformers,
 save/load round trips, conversion, and one-line errors for broken inputs."""
 
+import functools
 import json
 import os
 import shutil
@@ -50,10 +51,18 @@ def smollm():
 @pytest.fixture(scope="module")
 def reference():
     transformers = pytest.importorskip("transformers")
+    import gguf
+
     path = resolve_model(SMOLLM)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # transformers parses the GGUF file anew for the config, the weights and the tokenizer (5 s each: its
+    # 49152-string vocabulary), and rebuilds gguf-py's tensor-name map for each of ~400 modules: both are
+    # read-only and depend on the file alone, so each is built once here.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tokenizer
 
 
