@@ -189,9 +189,12 @@ print(statistics.median(times))
 
 
 def speed(llama_cpp_python: str | None) -> list[dict]:
+    earlier = [r for r in read_jsonl(OUT / "speed.jsonl") if r["engine"].startswith("llama.cpp")]
     rows = [decode_speed(*config) for config in SPEED_CONFIGS]
     if llama_cpp_python:
         rows.append(llama_cpp_speed(llama_cpp_python))
+    else:  # the last measured llama.cpp row, kept and marked as such
+        rows += [{**r, "engine": r["engine"].removesuffix(" (earlier run)") + " (earlier run)"} for r in earlier]
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows

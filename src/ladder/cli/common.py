@@ -39,7 +39,7 @@ def add_model_options(p: argparse.ArgumentParser, tp_flag: bool = True) -> None:
 
 def add_quantize_option(g: argparse._ActionsContainer) -> None:
     g.add_argument("--quantize", choices=QUANTIZE_MODES,
-                   help="weight-only quantization of each rank's block linears, through torchao (default: none)")
+                   help="weight-only quantization of each rank's block linears (int8: and the head), through torchao (default: none)")
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
