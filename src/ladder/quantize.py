@@ -1,8 +1,9 @@
 """Weight-only int8 and int4 quantization of each rank's shard, through torchao's `quantize_`.
 
-Applied after sharding and loading, to the four linear layers of every block (fused QKV, attention
-output, fused gate/up, down), and with int8 to the output head: a rank quantizes exactly the weights it
-multiplies, so quantization composes with every layout, TP degree and link. The embedding and the norms
+Applied to each rank's shard, each block as soon as it is loaded (`ModelSpec.load`): the four linear
+layers of every block (fused QKV, attention output, fused gate/up, down), and with int8 the output head.
+A rank quantizes exactly the weights it multiplies, so quantization composes with every layout, TP
+degree and link. The embedding and the norms
 stay in the model's dtype (a tied head gets its own quantized copy; the embedding only gathers rows).
 
 - int8: per-output-row symmetric scales (`Int8WeightOnlyConfig`), CPU and CUDA. The head too, as gpt-fast
