@@ -143,9 +143,9 @@ def test_compiled_decode_equals_eager():
 
 @pytest.mark.parametrize("layout", ["ladder", "parallel"])
 def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(layout):
-    """Regional compilation: one graph per branch, however many layers (6 here), and the prefill eager
-    (error_on_recompile: a layer that needed its own graph, or a prefill compiled then a decode step
-    compiled for the same code, raises)."""
+    """Regional compilation: one graph per branch, however many layers (6 here), one for the head, and
+    the prefill eager (error_on_recompile: a layer that needed its own graph, or a prefill compiled then
+    a decode step compiled for the same code, raises)."""
     from torch._dynamo.utils import counters
 
     model = make_model(tiny(layout=layout, n_layers=6, ladder_layers=4 if layout == "ladder" else None))
@@ -156,7 +156,7 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
         compiled = Engine(model, DecodeStep.COMPILED_LAYERS)
         assert compiled.generate(PROMPT, 6).tokens == eager
         assert compiled.generate(PROMPT, 6).tokens == eager
-    assert counters["stats"]["unique_graphs"] == (1 if layout == "parallel" else 2)  # attention, MLP
+    assert counters["stats"]["unique_graphs"] == (2 if layout == "parallel" else 3)  # attention, MLP; the head
 
 
 def test_cuda_graph_decode_needs_cuda_and_excludes_compile():

@@ -146,10 +146,10 @@ def test_compiled_layers_at_padded_shapes_give_every_request_its_eager_tokens():
     engine = server_engine(model, 4, 256, DecodeStep.COMPILED_LAYERS)
     assert engine.shapes == [(b, kv) for b in (1, 2, 4) for kv in (64, 128, 256)]
     engine.warm_up()
-    assert counters["stats"]["unique_graphs"] == 9 + 3  # attention: one per shape; the MLP: one per batch
+    assert counters["stats"]["unique_graphs"] == 9 + 3 + 3  # attention: one per shape; MLP and head: one per batch
     compiled, _ = run_requests(model, requests, engine=engine)
     assert [ids(o) for o in compiled] == [ids(o) for o in eager]
-    assert counters["stats"]["unique_graphs"] == 9 + 3
+    assert counters["stats"]["unique_graphs"] == 9 + 3 + 3
 
 
 @pytest.mark.parametrize("layout, in_flight", [("standard", [1] * 8), ("ladder", [2] * 7 + [1])])

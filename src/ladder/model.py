@@ -241,12 +241,15 @@ class Transformer(nn.Module):
         shape: compiling 80 layers costs what compiling one does, where a compiled forward grows with
         the layers (minutes for a 70B shard). The residual adds and all-reduces between branches stay
         eager, so every layout keeps its eager schedule: ladder's all-reduces overlap the next branch
-        as they do uncompiled. Forwards that should not compile (a prefill's many lengths) run under
+        as they do uncompiled. The final norm and head are compiled too: an int8 head runs torchao's int8
+        kernel only compiled (eager, it casts the whole table to the activations' dtype every call).
+        Forwards that should not compile (a prefill's many lengths) run under
         `torch.compiler.set_stance("force_eager")`."""
         for layer in self.layers:
             for name in Block.BRANCHES:
                 branch = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
                 setattr(layer, name, torch.compile(branch, fullgraph=True, dynamic=False))
+        self.head = torch.compile(Transformer.head.__get__(self), fullgraph=True, dynamic=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, 1, T, hd) of each row's positions (B, T), to broadcast over heads."""
@@ -286,10 +289,14 @@ class Transformer(nn.Module):
 
         if last_only:
             r = r[:, -1:]
-        logits = self.output(self.norm(r))  # (B, T, vocab or vocab / tp)
+        logits = self.head(r)  # (B, T, vocab or vocab / tp)
         if self.shard_vocab:
             logits = self.comm.all_gather_last_dim(logits)  # (B, T, vocab)
         return logits
+
+    def head(self, r: torch.Tensor) -> torch.Tensor:
+        """The final norm and the output head: logits (B, T, vocab on this rank) of the stream r (B, T, dim)."""
+        return self.output(self.norm(r))
 
     def _residual_modules(self, rope, input_pos, mask, rows):
         """The 2L modules h_1..h_2L in execution order, as (index, callable) pairs."""
