@@ -128,7 +128,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None and input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v, rows, mask.shape[-1])  # (B, n_kv, S, hd)
-        y = attend(q, k, v, mask if input_pos is not None and self.kv_cache is not None else None)
+        else:
+            mask = None  # no cache: the prompt attends to itself, causally
+        y = attend(q, k, v, mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, n_heads * hd)
         return self.wo(y)  # (B, T, dim), partial
 

@@ -3,8 +3,8 @@
 Applied to each rank's shard, each block as soon as it is loaded (`ModelSpec.load`): the four linear
 layers of every block (fused QKV, attention output, fused gate/up, down), and with int8 the output head.
 A rank quantizes exactly the weights it multiplies, so quantization composes with every layout, TP
-degree and link. The embedding and the norms
-stay in the model's dtype (a tied head gets its own quantized copy; the embedding only gathers rows).
+degree and link. The embedding and the norms stay in the model's dtype (a tied head gets its own
+quantized copy; the embedding only gathers rows).
 
 - int8: per-output-row symmetric scales (`Int8WeightOnlyConfig`), CPU and CUDA. The head too, as gpt-fast
   quantizes it: SmolLM2's tied head is a fifth of its weights, and int8 there moved held-out perplexity
@@ -89,7 +89,7 @@ def quantize_layers(module: nn.Module, mode: str) -> None:
     with torch.no_grad():
         if quantizes_head(mode) and isinstance(head, nn.Linear) and not is_quantized(head):
             head.weight = nn.Parameter(int8_in_row_chunks(ao, head.weight), requires_grad=False)
-        ao.quantize_(module, _config(ao, mode, device_type), filter_fn=functools.partial(_is_quantized_by, mode))
+        ao.quantize_(module, _config(ao, mode, device_type), filter_fn=_is_unquantized_block_linear)
 
 
 def int8_in_row_chunks(ao: Any, weight: torch.Tensor, rows: int = HEAD_CHUNK_ROWS) -> torch.Tensor:
@@ -131,10 +131,8 @@ def _is_block_linear(module: nn.Module, name: str) -> bool:
     return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in ("wqkv", "wo", "w13", "w2")
 
 
-def _is_quantized_by(mode: str, module: nn.Module, name: str) -> bool:
-    if is_quantized(module):
-        return False
-    return _is_block_linear(module, name) or (quantizes_head(mode) and name == "output" and isinstance(module, nn.Linear))
+def _is_unquantized_block_linear(module: nn.Module, name: str) -> bool:
+    return _is_block_linear(module, name) and not is_quantized(module)
 
 
 def _check_groups(model: Transformer) -> None:

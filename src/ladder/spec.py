@@ -152,9 +152,8 @@ class ModelSpec:
         else:
             load_weights(model, opened.source, after_block)
         quantize_shard(model, self.quantize)  # the head, for int8
-        if opened is None:
-            return LoadedModel(model.eval(), None, True, time.perf_counter() - start, "random")
-        return LoadedModel(model.eval(), opened.tokenizer, False, time.perf_counter() - start, opened.format)
+        tokenizer, source_format = (None, "random") if opened is None else (opened.tokenizer, opened.format)
+        return LoadedModel(model.eval(), tokenizer, opened is None, time.perf_counter() - start, source_format)
 
     def describe(self, loaded: LoadedModel) -> str:
         config = loaded.model.config

@@ -225,12 +225,11 @@ def init_local_shard(model: Transformer, seed: int = 0,
 
 def random_model(config: ModelConfig, comm: Communicator, device: torch.device,
                  dtype: torch.dtype = torch.float32, seed: int = 0, shard_vocab: bool = False,
-                 exact: bool = True, after_block: Callable[[nn.Module], None] | None = None) -> Transformer:
+                 exact: bool = True) -> Transformer:
     """A model with seeded random weights. `exact`: every rank holds slices of the same full model
-    (so any TP degree computes the same function); otherwise each rank draws its shard directly.
-    `after_block`: as `load_weights`, the blocks then allocated one at a time."""
-    model = build_model(config, comm, device, dtype, shard_vocab, blocks_later=after_block is not None)
-    fill_random(model, seed, exact, after_block)
+    (so any TP degree computes the same function); otherwise each rank draws its shard directly."""
+    model = build_model(config, comm, device, dtype, shard_vocab)
+    fill_random(model, seed, exact)
     return model
 
 
