@@ -87,6 +87,16 @@ def traces(records: list[dict]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def commits_by_batch(records: list[dict]) -> str:
+    """Which commit measured which batch sizes (a file that resumed across sessions holds several)."""
+    batches: dict[str, set[int]] = {}
+    for r in records:
+        batches.setdefault(str(r["env"].get("git_commit")), set()).add(r["batch_size"])
+    if len(batches) == 1:
+        return next(iter(batches))
+    return ", ".join(f"{commit} (batch {', '.join(map(str, sorted(b)))})" for commit, b in batches.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results")
@@ -98,7 +108,7 @@ def main() -> None:
     preset, tp = (ok[0]["preset"], ok[0]["tp"]) if ok else ("?", "?")
     print(f"# {preset} at TP {tp}, one rank's shard, emulated links\n")
     print(f"Device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, ladder "
-          f"{env.get('git_commit')}; {len(ok)} configurations measured, {len(records) - len(ok)} failed.\n")
+          f"{commits_by_batch(ok)}; {len(ok)} configurations measured, {len(records) - len(ok)} failed.\n")
     if ok:
         step = STEP_DESCRIPTIONS[decode_step(ok[0])]
         print(f"Decode step: {step}; {ok[0]['warmup']} warm-up + {ok[0]['runs']} measured runs of prompt "
