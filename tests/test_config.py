@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ladder import config
 from ladder import model as model_module
@@ -85,3 +87,32 @@ def test_half_precision_attention_runs_upcast_on_a_cpu_without_bf16_arithmetic(m
         native = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None, enable_gqa=True)
         assert not torch.equal(upcast, native)  # the two differ, so the test tells them apart
         assert torch.equal(model_module.attend(q, k, v, m), native if computes_in_bf16 else upcast)
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Records the dtype of every matrix multiply that runs under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("computes_in_bf16", [True, False])
+def test_a_bf16_linear_shared_by_many_rows_multiplies_in_fp32_on_a_cpu_without_bf16_arithmetic(
+        monkeypatch, computes_in_bf16):
+    monkeypatch.setattr(model_module, "CPU_COMPUTES_IN_BF16", computes_in_bf16)
+    layer = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    for rows, upcast in ((1, False), (model_module.UPCAST_MIN_ROWS, not computes_in_bf16)):
+        x = torch.randn(1, rows, 16, dtype=torch.bfloat16)
+        with MatmulDtypes() as seen:
+            y = model_module.project(layer, x)
+        assert seen.dtypes == [torch.float32 if upcast else torch.bfloat16], rows
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, layer(x))
+    packed = nn.Identity()  # a layer without `weight` (packed, say) runs as it is
+    assert model_module.project(packed, x) is x

@@ -23,7 +23,12 @@ from ladder.config import ModelConfig, ShardShape, cpu_computes_in_bf16
 from ladder.comm.base import Communicator, Done, Handle, LocalCommunicator
 from ladder.errors import LadderError
 
-CPU_COMPUTES_IN_BF16 = cpu_computes_in_bf16()  # else half-precision attention runs upcast (`attend`)
+CPU_COMPUTES_IN_BF16 = cpu_computes_in_bf16()  # else half-precision attention and linears run upcast
+HALF_PRECISION = (torch.bfloat16, torch.float16)
+# Rows from which a half-precision linear layer multiplies faster in float32 on such a CPU: SmolLM2's bf16
+# decode step on a 2-core AVX2 EPYC took 135 ms at batch 8 with bf16 linears and 154 upcast (the upcast
+# reads and writes every weight again), 247 and 186 at batch 16; its 8 x 64-token prefill 5.7 s and 0.9 s.
+UPCAST_MIN_ROWS = 12
 
 
 class RMSNorm(nn.Module):
@@ -72,11 +77,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     on a CPU without bf16 arithmetic: AVX2 emulates bf16, and SmolLM2's decode attention ran 2.5x slower
     in it than upcast (the KV cache stays in the model's dtype)."""
     dtype = q.dtype
-    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not CPU_COMPUTES_IN_BF16:
+    if q.device.type == "cpu" and dtype in HALF_PRECISION and not CPU_COMPUTES_IN_BF16:
         q, k, v = q.float(), k.float(), v.float()
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).to(dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).to(dtype)
+
+
+def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x), in float32 where a half-precision weight on a CPU without bf16 arithmetic is shared by
+    many rows: PyTorch has no bf16 matrix kernel for AVX2, so each row is one more pass over the weight,
+    while the upcast weight is read once more than the half one. Quantized weights (a type of their own)
+    and packed ones (`ladder.packing`, no `weight`) keep their own kernels."""
+    weight = getattr(layer, "weight", None)
+    if (x.device.type == "cpu" and type(weight) is nn.Parameter and weight.dtype in HALF_PRECISION
+            and not CPU_COMPUTES_IN_BF16 and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]):
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+    return layer(x)
 
 
 class KVCache(nn.Module):
@@ -121,7 +138,7 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
+        q, k, v = project(self.wqkv, x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
         q = q.view(B, T, self.n_heads, hd).transpose(1, 2)  # (B, n_heads, T, hd)
         k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)  # (B, n_kv, T, hd)
         v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)  # (B, n_kv, T, hd)
@@ -132,7 +149,7 @@ class Attention(nn.Module):
             mask = None  # no cache: the prompt attends to itself, causally
         y = attend(q, k, v, mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, n_heads * hd)
-        return self.wo(y)  # (B, T, dim), partial
+        return project(self.wo, y)  # (B, T, dim), partial
 
 
 class FeedForward(nn.Module):
@@ -145,8 +162,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(self.hidden, config.dim, bias=False)  # down, row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.hidden, dim=-1)  # (B, T, hidden) each
-        return self.w2(F.silu(gate) * up)  # (B, T, dim), partial
+        gate, up = project(self.w13, x).split(self.hidden, dim=-1)  # (B, T, hidden) each
+        return project(self.w2, F.silu(gate) * up)  # (B, T, dim), partial
 
 
 class Block(nn.Module):
