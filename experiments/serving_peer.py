@@ -19,7 +19,8 @@ runs) and transformers' `generate` on the same folder, 64 prompt and 128 new tok
     .venv/bin/python experiments/serving_peer.py [--dtypes float32,bfloat16] [--rounds 1] [--llama-server PATH]
     .venv/bin/python experiments/serving_peer.py --batch-one-only --rounds 5   # batch-1 decoding only, in turns
 
-Writes results/serve/peer.jsonl (every run) and results/serve/peer.md (the table); with --batch-one-only,
+Writes results/serve/peer.jsonl (every run; a run of some dtypes replaces only their rows) and
+results/serve/peer.md (the table); with --batch-one-only,
 results/serve/batch-one-decoding.{jsonl,md}.
 """
 
@@ -166,6 +167,15 @@ def summary() -> None:
     print("\n".join(lines))
 
 
+def keep_other_dtypes(dtypes: list[str]) -> None:
+    """Drop peer.jsonl's rows of the dtypes about to be measured again; the other dtypes' rows stay."""
+    path = OUT / "peer.jsonl"
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines()
+                if not any(f"({dtype})" in json.loads(line)["label"] for dtype in dtypes)]
+        path.write_text("".join(line + "\n" for line in rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -179,7 +189,7 @@ def main() -> None:
         return batch_one_in_turns(args.dtypes.split(","), args.rounds)
     if not args.summary_only:
         OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "peer.jsonl").unlink(missing_ok=True)
+        keep_other_dtypes(args.dtypes.split(","))
         write_folder()
         for round_ in range(args.rounds):
             for dtype in args.dtypes.split(","):

@@ -26,9 +26,10 @@ from ladder.errors import LadderError
 CPU_COMPUTES_IN_BF16 = cpu_computes_in_bf16()  # else half-precision attention and linears run upcast
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 # Rows from which a half-precision linear layer multiplies faster in float32 on such a CPU: SmolLM2's bf16
-# decode step on a 2-core AVX2 EPYC took 135 ms at batch 8 with bf16 linears and 154 upcast (the upcast
-# reads and writes every weight again), 247 and 186 at batch 16; its 8 x 64-token prefill 5.7 s and 0.9 s.
-UPCAST_MIN_ROWS = 12
+# decode step on a 2-core AVX2 EPYC took 73 ms at batch 4 with bf16 linears and 81-93 upcast (the upcast
+# reads and writes every weight again), 135 and 102-111 at batch 8; its 8 x 64-token prefill 5.6 s and
+# 0.82 s (experiments/investigations/bf16_upcast.py).
+UPCAST_MIN_ROWS = 8
 
 
 class RMSNorm(nn.Module):
