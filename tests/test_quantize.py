@@ -5,11 +5,14 @@ combination torchao cannot run is refused in one line. TP=2 (real gloo ranks, th
 in test_tp.py, a compiled quantized step at TP 2 in test_cli.py, SmolLM2 int4 at TP 2 in test_checkpoint.py."""
 
 import sys
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import INT4_RELATIVE_ERROR, INT8_RELATIVE_ERROR, cached_logits, make_model, relative_error, tiny
+from ladder import model as model_module
 from ladder import quantize as quantize_module
 from ladder.decode_step import DecodeStep
 from ladder.engine import Engine
@@ -89,6 +92,35 @@ def test_a_quantized_load_never_holds_the_unquantized_shard(tmp_path, mode):
     assert weight_bytes(loaded.model) + 3 * block < 8 * block  # the bound below tells the two apart
     assert peak < weight_bytes(loaded.model) + 3 * block
     assert all(is_quantized(linear) for _, linear in block_linears(loaded.model))
+
+
+class CalledOps(TorchDispatchMode):
+    """Counts the aten operators that run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_eager_bf16_int8_forward_runs_torchs_int8_kernel_and_casts_no_weight(monkeypatch):
+    """torchao's eager int8 linear casts the whole weight to bf16 each call; ladder calls the int8 kernel
+    that a compiled step reaches (`ladder.model.project`), head included; a prefill dequantizes instead."""
+    model = make_model(tiny(**QUANTIZABLE), quantize="int8").to(torch.bfloat16)
+    with CalledOps() as ops, torch.inference_mode():
+        model(PROMPT)
+    assert ops.counts[torch.ops.aten._weight_int8pack_mm.default] == 4 * model.config.n_layers + 1
+    assert ops.counts[torch.ops.aten.mm.default] == 0
+    long_prompt = PROMPT.repeat(1, model_module.INT8_DEQUANTIZE_MIN_ROWS)  # a prefill: dequantized, one GEMM
+    with CalledOps() as ops, torch.inference_mode():
+        dequantized = model(long_prompt)
+    assert ops.counts[torch.ops.aten._weight_int8pack_mm.default] == 0
+    with torch.inference_mode():
+        monkeypatch.setattr(model_module, "INT8_DEQUANTIZE_MIN_ROWS", 10**9)
+        assert relative_error(dequantized, model(long_prompt)) < 0.01
 
 
 def test_an_eager_cpu_step_packs_the_plain_layers_and_keeps_torchaos():

@@ -1,0 +1,59 @@
+"""What ladder's eager int8 path buys over torchao's (`ladder.model.project`): SmolLM2 (random weights) in
+bf16 with int8 weights, eager, a prefill of B prompts of P tokens and a decode step at batch B, with
+torchao's eager linear (the weight cast each call), torch's int8 kernel alone, and the kernel with
+prefills dequantized (ladder's default), medians of a few calls.
+
+    PYTHONPATH=src .venv/bin/python experiments/investigations/int8_eager.py [--batches 1,8] [--prompt-len 64]
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import ladder.model as model_module
+from ladder.comm.base import LocalCommunicator
+from ladder.decode_step import DecodeStep
+from ladder.engine import Engine
+from ladder.spec import ModelSpec
+
+NEVER = 10**9
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    args = parser.parse_args()
+    model = ModelSpec(preset="smollm2-135m", device="cpu", dtype="bfloat16", quantize="int8").load(
+        LocalCommunicator(), torch.device("cpu"), exact=False).model
+    int8_kernel, dequantize_from = model_module.is_int8_per_row, model_module.INT8_DEQUANTIZE_MIN_ROWS
+    paths = {"torchao eager": (lambda weight: False, NEVER), "int8 kernel": (int8_kernel, NEVER),
+             f"kernel, dequantized from {dequantize_from} rows": (int8_kernel, dequantize_from)}
+    for batch in map(int, args.batches.split(",")):
+        engine = Engine(model, DecodeStep.EAGER)
+        engine.reserve(batch, args.prompt_len + 64)
+        prompts = torch.randint(0, 1000, (batch, args.prompt_len))
+        for label, (is_int8, min_rows) in paths.items():
+            model_module.is_int8_per_row, model_module.INT8_DEQUANTIZE_MIN_ROWS = is_int8, min_rows
+            prefill = median_ms(lambda: engine.prefill_prompts(prompts), 3)
+            decode = median_ms(lambda: engine.decode([1] * batch, [args.prompt_len] * batch), 15)
+            print(f"batch {batch:2d}  {label:34s} prefill {prefill:7.0f} ms  decode step {decode:6.1f} ms", flush=True)
+        model_module.is_int8_per_row, model_module.INT8_DEQUANTIZE_MIN_ROWS = int8_kernel, dequantize_from
+
+
+if __name__ == "__main__":
+    main()
