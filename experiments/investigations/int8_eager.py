@@ -7,29 +7,17 @@ prefills dequantized (ladder's default), medians of a few calls.
 """
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 import ladder.model as model_module
+from bf16_upcast import median_ms  # (this folder, the script's own: first on sys.path)
 from ladder.comm.base import LocalCommunicator
 from ladder.decode_step import DecodeStep
 from ladder.engine import Engine
 from ladder.spec import ModelSpec
 
 NEVER = 10**9
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 @torch.inference_mode()
