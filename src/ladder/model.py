@@ -104,7 +104,7 @@ def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if (type(weight) is nn.Parameter and weight.dtype in HALF_PRECISION and not CPU_COMPUTES_IN_BF16
             and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]):
         return F.linear(x.float(), weight.float()).to(x.dtype)
-    if x.dtype in HALF_PRECISION and is_int8_per_row(weight) and not torch.compiler.is_compiling():
+    if x.dtype in HALF_PRECISION and not torch.compiler.is_compiling() and is_int8_per_row(weight):
         if x.numel() >= INT8_DEQUANTIZE_MIN_ROWS * x.shape[-1]:  # a prefill: dequantized once, one GEMM
             compute = x.dtype if CPU_COMPUTES_IN_BF16 else torch.float32
             dequantized = weight.qdata.to(compute).mul_(weight.scale.to(compute))
