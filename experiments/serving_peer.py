@@ -171,8 +171,9 @@ def keep_other_dtypes(dtypes: list[str]) -> None:
     """Drop peer.jsonl's rows of the dtypes about to be measured again; the other dtypes' rows stay."""
     path = OUT / "peer.jsonl"
     if path.exists():
+        measured_again = tuple(f"({dtype})" for dtype in dtypes)
         rows = [line for line in path.read_text().splitlines()
-                if not any(f"({dtype})" in json.loads(line)["label"] for dtype in dtypes)]
+                if not any(tag in json.loads(line)["label"] for tag in measured_again)]
         path.write_text("".join(line + "\n" for line in rows))
 
 
