@@ -172,8 +172,8 @@ def keep_other_dtypes(dtypes: list[str]) -> None:
     path = OUT / "peer.jsonl"
     if path.exists():
         measured_again = tuple(f"({dtype})" for dtype in dtypes)
-        rows = [line for line in path.read_text().splitlines()
-                if not any(tag in json.loads(line)["label"] for tag in measured_again)]
+        rows = [line for line, label in ((line, json.loads(line)["label"]) for line in path.read_text().splitlines())
+                if not any(tag in label for tag in measured_again)]
         path.write_text("".join(line + "\n" for line in rows))
 
 
