@@ -52,8 +52,16 @@ def run_vllm(folders: list[Path], tp: int, prompt_ids: list[int] | dict[Path, li
 
 
 def ladder_greedy(folder: Path, prompt_ids: list[int]) -> list[int]:
-    loaded = ModelSpec(model=str(folder), dtype="float32").load(LocalCommunicator(), CPU)
-    return Engine(loaded.model).generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS).tokens[0]
+    return ladder_greedy_logprobs(folder, prompt_ids)[0]
+
+
+def ladder_greedy_logprobs(folder: Path, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+    """ladder's greedy tokens, and the log-probability of each as ladder's model gives it."""
+    model = ModelSpec(model=str(folder), dtype="float32").load(LocalCommunicator(), CPU).model
+    ids = Engine(model).generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS).tokens[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ids[:-1]]))[0, len(prompt_ids) - 1:]  # (NEW_TOKENS, vocab)
+    return ids, logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +80,10 @@ def smollm2(tmp_path_factory):
     return folders, prompt, expected
 
 
-def tiny_folder(root: Path, layout: str) -> Path:
+def tiny_folder(root: Path, layout: str, n_layers: int = 4) -> Path:
     """A tiny random model (head_dim 64: vLLM's CPU attention has kernels for 32, 64, 80... only)."""
-    config = get_preset("tiny", layout=layout, dim=256, n_heads=4, n_kv_heads=2)
-    return save_random_hf(root / f"tiny-{layout}", config, TextTokenizer.bytes())
+    config = get_preset("tiny", layout=layout, dim=256, n_heads=4, n_kv_heads=2, n_layers=n_layers)
+    return save_random_hf(root / f"tiny-{layout}-{n_layers}", config, TextTokenizer.bytes())
 
 
 TINY_PROMPT = [72, 101, 108, 108, 111]
@@ -84,18 +92,21 @@ TINY_PROMPT = [72, 101, 108, 108, 111]
 @pytest.fixture(scope="module")
 def at_tp1(smollm2, tmp_path_factory):
     """SmolLM2's two folders, a tiny parallel-layout model (a checkpoint trained with two norms a layer
-    cannot become parallel) and a desync folder, in one process."""
+    cannot become parallel), a desync folder, and a tiny 6-layer ladder that vLLM compiles, in one process."""
     folders, prompt, expected = smollm2
     root = tmp_path_factory.mktemp("tp1")
     loaded = ModelSpec(model=str(folders["hybrid-8"]), layout="desync", dtype="float32").load(LocalCommunicator(), CPU)
     desync = save_hf(root / "desync", loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
     parallel = tiny_folder(root, "parallel")
-    prompts = {**{folder: prompt for folder in folders.values()}, desync: prompt, parallel: TINY_PROMPT}
-    expected = {**expected, "tiny-parallel": ladder_greedy(parallel, TINY_PROMPT)}
-    return run_vllm(list(prompts), 1, prompts, report_model=True), expected
+    compiled = tiny_folder(root, "ladder", n_layers=6)
+    prompts = {**{folder: prompt for folder in folders.values()}, desync: prompt, parallel: TINY_PROMPT,
+               compiled: TINY_PROMPT}
+    expected = {**expected, parallel.name: ladder_greedy(parallel, TINY_PROMPT),
+                compiled.name: ladder_greedy_logprobs(compiled, TINY_PROMPT)}
+    return run_vllm(list(prompts), 1, prompts, report_model=True, compiled=[str(compiled)]), expected
 
 
-@pytest.mark.parametrize("name", [*SMOLLM_LAYOUTS, "tiny-parallel"])
+@pytest.mark.parametrize("name", [*SMOLLM_LAYOUTS, "tiny-parallel-4"])
 def test_vllm_greedy_tokens_are_ladders_at_tp1(at_tp1, name):
     results, expected = at_tp1
     assert results[name]["ids"] == expected[name]
@@ -104,7 +115,17 @@ def test_vllm_greedy_tokens_are_ladders_at_tp1(at_tp1, name):
 def test_a_standard_folder_stays_vllms_own_llama_and_a_ladder_folder_is_the_plugins(at_tp1):
     results, _ = at_tp1
     assert results["standard"]["model"] == "LlamaForCausalLM"
-    assert {results[name]["model"] for name in ("hybrid-8", "tiny-parallel")} == {"LadderLlamaForCausalLM"}
+    assert {results[name]["model"] for name in ("hybrid-8", "tiny-parallel-4")} == {"LadderLlamaForCausalLM"}
+
+
+def test_vllms_compiled_ladder_is_ladders_model(at_tp1):
+    """Compiled by vLLM (inductor), with `ladder.inductor_fix`: without it, this model's logits were wrong
+    (a residual add read a linear layer's output before vLLM's op had written it). fp32, the same sums in
+    another order: log-probabilities within 1e-3 (the bug moved them by 0.1 to 0.3)."""
+    results, expected = at_tp1
+    ids, logprobs = expected["tiny-ladder-6"]
+    assert results["tiny-ladder-6"]["ids"] == ids
+    assert results["tiny-ladder-6"]["logprobs"] == pytest.approx(logprobs, abs=1e-3)
 
 
 def test_a_desync_folder_is_refused_in_one_line(at_tp1):
@@ -128,11 +149,11 @@ def test_vllms_server_refuses_a_desync_folder_in_one_line_without_a_traceback(sm
 
 @pytest.fixture(scope="module")
 def tiny_tp2(tmp_path_factory):
-    """A tiny ladder model at TP 2, profiled on every rank."""
+    """A tiny 6-layer ladder model at TP 2, compiled by vLLM (inductor), profiled on every rank."""
     root = tmp_path_factory.mktemp("tiny")
-    folder = tiny_folder(root, "ladder")
-    result = run_vllm([folder], 2, TINY_PROMPT, profile_dir=str(root))
-    return result["tiny-ladder"], ladder_greedy(folder, TINY_PROMPT)
+    folder = tiny_folder(root, "ladder", n_layers=6)
+    result = run_vllm([folder], 2, TINY_PROMPT, profile_dir=str(root), eager=False)
+    return result[folder.name], ladder_greedy(folder, TINY_PROMPT)
 
 
 def test_vllm_greedy_tokens_are_ladders_at_tp2(tiny_tp2):
@@ -141,15 +162,16 @@ def test_vllm_greedy_tokens_are_ladders_at_tp2(tiny_tp2):
 
 
 def test_vllm_keeps_ladders_overlap_at_tp2(tiny_tp2):
-    """Each rank's trace of one generation (12 steps): when an all-reduce of the ladder model is waited on,
-    the next module's all-reduce is already launched (two in flight), as in ladder's own model; only the
-    last module's is exposed. (vLLM's own collectives, the vocabulary-parallel embedding's and head's, go
-    through torch.distributed directly and are not counted.)"""
+    """Each rank's trace of one generation (12 steps), compiled: when an all-reduce of the ladder model is
+    waited on, the next module's all-reduce is already launched (two in flight), as in ladder's own model;
+    only the last module's is exposed. The first of each step is the vocabulary-parallel embedding's, which
+    vLLM waits for at once. (inductor runs each all-reduce in place on a copy: `all_reduce_`.)"""
     result, _ = tiny_tp2
-    per_step = [2] * 7 + [1]  # 4 layers: 8 modules
+    per_step = [1] + [2] * 11 + [1]  # the embedding's, then 6 layers: 12 modules
     for trace in result["traces"]:
         events = json.loads(Path(trace).read_text())["traceEvents"]
-        at_each_wait = in_flight_at_each_wait(events, "_c10d_functional::all_reduce", ("_c10d_functional::wait_tensor",))
+        at_each_wait = in_flight_at_each_wait(events, "_c10d_functional::all_reduce_",
+                                              ("_c10d_functional::wait_tensor", "ladder::wait_after"))
         assert at_each_wait == per_step * NEW_TOKENS
 
 

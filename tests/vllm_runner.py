@@ -1,12 +1,13 @@
 """Runs vLLM on ladder folders in a process of its own and prints what the tests compare, as JSON.
 
     python tests/vllm_runner.py '{"folders": [...], "tp": 1, "prompt_ids": [...], "max_tokens": 12,
-                                  "eager": true, "profile_dir": null}'
-    ("prompt_ids" a list for every folder, or {folder: list} for each its own)
+                                  "eager": true, "compiled": [...], "profile_dir": null}'
+    ("prompt_ids" a list for every folder, or {folder: list} for each its own; "compiled": folders that
+    vLLM compiles whatever "eager" says)
 
 One engine per folder, one after another in this process: vLLM's start-up (its imports, its engine
 and workers) is the cost of these tests, so a test module starts this once per TP degree. Prints
-{"folder": {"ids": [...], "traces": [...]}}; a folder vLLM refuses gives {"error": "<its message>"}.
+{"folder": {"ids": [...], "logprobs": [...], "traces": [...]}} (the log-probability of each chosen token); a folder vLLM refuses gives {"error": "<its message>"}.
 """
 
 import gc
@@ -43,13 +44,14 @@ def run(folder: str, settings: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     try:
-        llm = LLM(folder, tensor_parallel_size=settings["tp"], enforce_eager=settings.get("eager", True),
+        eager = settings.get("eager", True) and folder not in settings.get("compiled", ())
+        llm = LLM(folder, tensor_parallel_size=settings["tp"], enforce_eager=eager,
                   dtype="float32", max_model_len=min(256, context_of(folder)), max_num_seqs=4, gpu_memory_utilization=0.1,
                   skip_tokenizer_init=settings.get("skip_tokenizer_init", False), seed=0,
                   **settings.get("llm_args", {}))
     except Exception as exc:  # what a user of vLLM's Python API sees: the exception's message
         return {"error": f"{type(exc).__name__}: {exc}"}
-    greedy = SamplingParams(temperature=0, max_tokens=settings["max_tokens"], ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=settings["max_tokens"], ignore_eos=True, logprobs=0)
     ids = settings["prompt_ids"]
     prompt = TokensPrompt(prompt_token_ids=ids[folder] if isinstance(ids, dict) else ids)
     llm.generate([prompt], greedy, use_tqdm=False)  # warm-up (and a compiled graph's first run)
@@ -62,7 +64,9 @@ def run(folder: str, settings: dict) -> dict:
     model = llm.collective_rpc(model_class)[0] if settings.get("report_model") else None
     del llm
     gc.collect()
-    return {"ids": list(out.outputs[0].token_ids), "traces": traces, "model": model}
+    ids = list(out.outputs[0].token_ids)
+    logprobs = [step[token].logprob for step, token in zip(out.outputs[0].logprobs, ids)]
+    return {"ids": ids, "logprobs": logprobs, "traces": traces, "model": model}
 
 
 def main() -> None:

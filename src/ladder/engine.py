@@ -35,6 +35,7 @@ import torch
 from ladder.comm.emulated import trace_emulated_launches
 from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError
+from ladder.inductor_fix import keep_mutation_renames
 from ladder.limits import check_context, check_token_ids
 from ladder.model import Transformer
 from ladder.packing import weights_for_step
@@ -237,9 +238,11 @@ def powers_of_two_up_to(least: int, most: int) -> list[int]:
 def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
     """`step` as one torch.compile graph (collectives, real or emulated, trace into it), as in the paper,
     with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each all-reduce
-    launch down to its wait, and the overlap with it."""
+    launch down to its wait, and the overlap with it. Each wait is a custom op that writes its result:
+    `keep_mutation_renames` keeps inductor's CPU fusion from reading that result before the wait."""
     options = {"triton.cudagraphs": device.type == "cuda", "reorder_for_locality": False}
     trace_emulated_launches()
+    keep_mutation_renames()
     return torch.compile(step, fullgraph=True, options=options)
 
 

@@ -7,10 +7,12 @@ row-parallel projections return partial sums (`reduce_results=False`), and the l
 each all-reduce through a ladder `Communicator` on vLLM's TP group without waiting, and waits only
 where the layout needs the sum, exactly as `ladder.model.Transformer._ladder_layers` does.
 
-The model runs eager whatever vLLM's compilation mode: it is not registered for vLLM's torch.compile
-(no `support_torch_compile`), and says so at start-up. Compiled by vLLM 0.32's CPU inductor path, a
-ladder or hybrid model gave wrong tokens (a standard one did not; docs/vllm.md has the investigation),
-and a wrong token is worse than a slower one. Eager, every all-reduce overlaps as the layout says.
+On CPU, vLLM compiles the model (its DYNAMO_TRACE_ONCE mode, inductor) unless told `--enforce-eager`,
+with two settings that ladder's own compiled step uses too: inductor's `reorder_for_locality` off (it
+would move each all-reduce launch down to its wait, and the overlap with it), and `ladder.inductor_fix`
+(torch 2.13's CPU fusion read a ladder module's output before vLLM's linear layer had written it). On
+CUDA it runs eager: vLLM's piecewise CUDA graphs around ladder's collectives have not run on a GPU. The
+start-up line says which.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from itertools import islice
 
 import torch
 from torch import nn
-from vllm.config import VllmConfig
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, get_tp_group
 from vllm.logger import init_logger
 from vllm.model_executor.layers import linear as vllm_linear
@@ -35,9 +38,10 @@ from vllm.sequence import IntermediateTensors
 
 from ladder.comm.base import Communicator, Done, Handle, LocalCommunicator
 from ladder.comm.distributed import TorchCommunicator
-from ladder.comm.emulated import EmulatedCommunicator
+from ladder.comm.emulated import EmulatedCommunicator, trace_emulated_launches
 from ladder.comm.links import get_link
 from ladder.errors import LadderError
+from ladder.inductor_fix import keep_mutation_renames
 from ladder.remote_code.configuration_ladder_llama import LadderLlamaConfig
 from ladder.vllm_plugin.config import check_layout, layout_of
 
@@ -119,6 +123,22 @@ class LadderDecoderLayer(nn.Module):
         return self.self_attn(positions=positions, hidden_states=u) + self.mlp(u)
 
 
+def compiled_by_vllm(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM compiles the model: on CPU, unless `--enforce-eager` (see the module's docstring)."""
+    return (vllm_config.compilation_config.mode != CompilationMode.NONE
+            and vllm_config.device_config.device_type == "cpu")
+
+
+def prepare_inductor(vllm_config: VllmConfig) -> None:
+    """Before vLLM compiles: keep each all-reduce's launch where ladder put it, let an emulated link trace,
+    and mend inductor's fusion."""
+    vllm_config.compilation_config.inductor_compile_config["reorder_for_locality"] = False
+    trace_emulated_launches()
+    keep_mutation_renames()
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
+                                         "inputs_embeds": 0}, enable_if=compiled_by_vllm)
 class LadderLlamaModel(nn.Module):
     """The decoder on one TP rank and pipeline stage. Pipeline stages hand on the residual stream and
     the newest module output not yet added to it (`pending`), its all-reduce waited for: the next stage
@@ -131,6 +151,8 @@ class LadderLlamaModel(nn.Module):
         check_layout(self.layout)
         self.config = config
         self.comm, emulated_tp = communicator(vllm_config)
+        if compiled_by_vllm(vllm_config):
+            prepare_inductor(vllm_config)
         pp = get_pp_group()
         if pp.is_first_rank or (config.tie_word_embeddings and pp.is_last_rank):
             # (emulated: the whole vocabulary on the one rank, as ladder's own emulation keeps it)
@@ -241,7 +263,7 @@ class LadderLlamaForCausalLM(nn.Module, SupportsPP):
             self.lm_head = PPMissingLayer()
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         if get_tp_group().rank_in_group == 0 and get_pp_group().is_first_rank:
-            logger.info("ladder: %s", describe(config, self.model.comm))
+            logger.info("ladder: %s", describe(config, self.model.comm, compiled_by_vllm(vllm_config)))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -258,8 +280,8 @@ class LadderLlamaForCausalLM(nn.Module, SupportsPP):
         return AutoWeightsLoader(self).load_weights(weights)
 
 
-def describe(config: LadderLlamaConfig, comm: Communicator) -> str:
-    """The start-up line: the layout, and how its all-reduces run."""
+def describe(config: LadderLlamaConfig, comm: Communicator, compiled: bool) -> str:
+    """The start-up line: the layout, how its all-reduces run, and whether vLLM compiles it."""
     n = config.num_hidden_layers
     layout, first = layout_of(config)
     if layout == "ladder" and first > 0:
@@ -271,7 +293,9 @@ def describe(config: LadderLlamaConfig, comm: Communicator) -> str:
         how = f"TP {comm.world_size}: all-reduces launched asynchronously on vLLM's TP group, waited where the layout needs them"
     else:
         how = "TP 1: no all-reduce"
-    return f"{layout} layout, {how}; eager (vLLM's torch.compile is not used for ladder models: docs/vllm.md)"
+    mode = ("compiled by vLLM (inductor, all-reduce launches kept in place)" if compiled else
+            "eager (--enforce-eager; on CUDA always: docs/vllm.md)")
+    return f"{layout} layout, {how}; {mode}"
 
 
 __all__ = ["LadderLlamaForCausalLM"]
