@@ -7,11 +7,12 @@ main job's batch-4 share: communication a quarter of standard's step): one proce
 shard, and each all-reduce is a wait of the modelled duration. In vLLM that is
 `--additional-config '{"ladder": {"interconnect": ..., "tp": 4, "link_scale": ...}}'`; its standard folder
 goes through the plugin too (`--hf-overrides`), so that standard's all-reduces are the same emulated link's.
-vLLM runs eager (`--enforce-eager`): see docs/vllm.md for its compiled mode.
+vLLM runs eager (`--enforce-eager`), or compiled by vLLM's inductor path with `--vllm-compiled`.
 
     .venv/bin/python experiments/vllm_serving.py [--rounds 2] [--rates inf]
     .venv/bin/python experiments/vllm_serving.py --servers vllm --link-scale 23 --out results/vllm/own-step
     (vLLM alone, its link dilated to about a quarter of its own standard step)
+    .venv/bin/python experiments/vllm_serving.py --servers vllm --vllm-compiled --link-scale 23 --out results/vllm/compiled
 
 Load: 32 requests, 8 in flight, 64 prompt and 64 output tokens (ignore_eos), servers in turns, `--rounds`
 times. Writes results/vllm/{bench-serve.jsonl,summary.md}.
@@ -48,12 +49,12 @@ def make_folders(link_scale: float) -> dict[str, Path]:
     return folders
 
 
-def vllm_command(folder: Path, layout: str, port: int, link_scale: float) -> list[str]:
+def vllm_command(folder: Path, layout: str, port: int, link_scale: float, compiled: bool) -> list[str]:
     ladder = {"ladder": {"interconnect": LINK, "tp": TP, "link_scale": link_scale}}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
                "--served-model-name", layout, "--dtype", "float32", "--max-model-len", str(CONTEXT),
-               "--max-num-seqs", str(SLOTS), "--gpu-memory-utilization", "0.2", "--enforce-eager",
-               "--additional-config", json.dumps(ladder)]
+               "--max-num-seqs", str(SLOTS), "--gpu-memory-utilization", "0.2",
+               "--additional-config", json.dumps(ladder)] + ([] if compiled else ["--enforce-eager"])
     if layout == "standard":  # a plain Llama folder: through the plugin, for the emulated link
         command += ["--hf-overrides", json.dumps({"architectures": ["LadderLlamaForCausalLM"]})]
     return command
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--link-scale", type=float, default=7.69)
     parser.add_argument("--servers", default="vllm,ladder", help="which servers to measure (vllm, ladder)")
+    parser.add_argument("--vllm-compiled", action="store_true", help="let vLLM compile the model (default: eager)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     servers = args.servers.split(",")
@@ -118,9 +120,9 @@ def main() -> None:
         for layout in LAYOUTS:
             if "vllm" in servers:
                 port = free_port()
-                label = f"vllm + ladder plugin: {layout}"
-                measure(label, StartedServer(vllm_command(folders[layout], layout, port, args.link_scale), port, label),
-                        args, round_)
+                label = f"vllm{' compiled' if args.vllm_compiled else ''} + ladder plugin: {layout}"
+                command = vllm_command(folders[layout], layout, port, args.link_scale, args.vllm_compiled)
+                measure(label, StartedServer(command, port, label), args, round_)
             if "ladder" in servers:
                 port = free_port()
                 measure(f"ladder serve: {layout}",

@@ -1,16 +1,17 @@
-"""What ladder's eager int8 path buys over torchao's (`ladder.model.project`): SmolLM2 (random weights) in
-bf16 with int8 weights, eager, a prefill of B prompts of P tokens and a decode step at batch B, with
+"""What ladder's eager int8 path buys over torchao's (`ladder.packing.Int8RowLinear`): SmolLM2 (random
+weights) in bf16 (or --dtype) with int8 weights, eager, a prefill of B prompts of P tokens and a decode step at batch B, with
 torchao's eager linear (the weight cast each call), torch's int8 kernel alone, and the kernel with
 prefills dequantized (ladder's default), medians of a few calls.
 
     PYTHONPATH=src .venv/bin/python experiments/investigations/int8_eager.py [--batches 1,8] [--prompt-len 64]
+        [--dtype bfloat16|float32]
 """
 
 import argparse
 
 import torch
 
-import ladder.model as model_module
+import ladder.packing as packing
 from bf16_upcast import median_ms  # (this folder, the script's own: first on sys.path)
 from ladder.comm.base import LocalCommunicator
 from ladder.decode_step import DecodeStep
@@ -25,22 +26,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    model = ModelSpec(preset="smollm2-135m", device="cpu", dtype="bfloat16", quantize="int8").load(
+    model = ModelSpec(preset="smollm2-135m", device="cpu", dtype=args.dtype, quantize="int8").load(
         LocalCommunicator(), torch.device("cpu"), exact=False).model
-    int8_kernel, dequantize_from = model_module.is_int8_per_row, model_module.INT8_DEQUANTIZE_MIN_ROWS
-    paths = {"torchao eager": (lambda weight: False, NEVER), "int8 kernel": (int8_kernel, NEVER),
-             f"kernel, dequantized from {dequantize_from} rows": (int8_kernel, dequantize_from)}
+    dequantize_from = packing.INT8_DEQUANTIZE_MIN_ROWS
+    # (torchao's layers back in an eager step: `weights_for_step` as for a compiled one)
+    paths = {"torchao eager": (DecodeStep.COMPILED, NEVER), "int8 kernel": (DecodeStep.EAGER, NEVER),
+             f"kernel, dequantized from {dequantize_from} rows": (DecodeStep.EAGER, dequantize_from)}
     for batch in map(int, args.batches.split(",")):
         engine = Engine(model, DecodeStep.EAGER)
         engine.reserve(batch, args.prompt_len + 64)
         prompts = torch.randint(0, 1000, (batch, args.prompt_len))
-        for label, (is_int8, min_rows) in paths.items():
-            model_module.is_int8_per_row, model_module.INT8_DEQUANTIZE_MIN_ROWS = is_int8, min_rows
+        for label, (layers_of, min_rows) in paths.items():
+            packing.weights_for_step(model, layers_of)
+            packing.INT8_DEQUANTIZE_MIN_ROWS = min_rows
             prefill = median_ms(lambda: engine.prefill_prompts(prompts), 3)
             decode = median_ms(lambda: engine.decode([1] * batch, [args.prompt_len] * batch), 15)
             print(f"batch {batch:2d}  {label:34s} prefill {prefill:7.0f} ms  decode step {decode:6.1f} ms", flush=True)
-        model_module.is_int8_per_row, model_module.INT8_DEQUANTIZE_MIN_ROWS = int8_kernel, dequantize_from
+        packing.INT8_DEQUANTIZE_MIN_ROWS = dequantize_from
 
 
 if __name__ == "__main__":

@@ -30,9 +30,6 @@ HALF_PRECISION = (torch.bfloat16, torch.float16)
 # reads and writes every weight again), 135 and 102-111 at batch 8; its 8 x 64-token prefill 5.6 s and
 # 0.82 s (experiments/investigations/bf16_upcast.py).
 UPCAST_MIN_ROWS = 8
-# Rows from which an int8 layer is faster dequantized (then one GEMM) than on torch's int8 kernel, which
-# computes per row: measured with experiments/investigations/int8_eager.py.
-INT8_DEQUANTIZE_MIN_ROWS = 64
 
 
 class RMSNorm(nn.Module):
@@ -89,38 +86,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """layer(x), on the fastest CPU kernel where torch's default is slow:
-    - a half-precision weight shared by many rows, on a CPU without bf16 arithmetic, in float32: PyTorch
-      has no bf16 matrix kernel for AVX2, so each row is one more pass over the weight, while the upcast
-      weight is read once more than the half one;
-    - an int8 weight (torchao's, one scale per row) under half-precision activations, eager, on torch's
-      int8 kernel: torchao's eager path casts the whole weight to the activations' dtype every call (a
-      compiled step reaches the same kernel through inductor's pattern); a prefill's many rows dequantize
-      the weight once and run one GEMM.
-    Packed weights (`ladder.packing`, no `weight`) and every other case run the layer as it is."""
+    """layer(x); a half-precision weight shared by many rows, on a CPU without bf16 arithmetic, in float32:
+    PyTorch has no bf16 matrix kernel for AVX2, so each row is one more pass over the weight, while the
+    upcast weight is read once more than the half one. Quantized and packed layers (`ladder.packing`, an
+    eager CPU step's) and every other case run the layer as it is."""
     weight = getattr(layer, "weight", None)
-    if x.device.type != "cpu" or weight is None:
-        return layer(x)
-    if (type(weight) is nn.Parameter and weight.dtype in HALF_PRECISION and not CPU_COMPUTES_IN_BF16
-            and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]):
+    if (type(weight) is nn.Parameter and x.device.type == "cpu" and weight.dtype in HALF_PRECISION
+            and not CPU_COMPUTES_IN_BF16 and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]):
         return F.linear(x.float(), weight.float()).to(x.dtype)
-    if x.dtype in HALF_PRECISION and not torch.compiler.is_compiling() and is_int8_per_row(weight):
-        if x.numel() >= INT8_DEQUANTIZE_MIN_ROWS * x.shape[-1]:  # a prefill: dequantized once, one GEMM
-            compute = x.dtype if CPU_COMPUTES_IN_BF16 else torch.float32
-            dequantized = weight.qdata.to(compute).mul_(weight.scale.to(compute))
-            return F.linear(x.to(compute), dequantized).to(x.dtype)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.qdata,
-                                               weight.scale.reshape(-1).to(x.dtype))
-        return y.reshape(*x.shape[:-1], y.shape[-1])
     return layer(x)
-
-
-def is_int8_per_row(weight: torch.Tensor) -> bool:
-    """torchao's int8 weight-only tensor with one scale per output row (`Int8WeightOnlyConfig`), read by
-    its attributes: ladder imports torchao only where quantization is asked for."""
-    qdata = getattr(weight, "qdata", None)
-    return (qdata is not None and qdata.dtype == torch.int8 and getattr(weight, "act_quant_kwargs", True) is None
-            and getattr(weight, "act_pre_scale", None) is None and list(weight.block_size) == [1, qdata.shape[-1]])
 
 
 class KVCache(nn.Module):

@@ -1,4 +1,5 @@
-"""Linear layers with their weights packed once into oneDNN's blocked layout, for inference on CPU.
+"""Linear layers in the layout an eager CPU step reads fastest: plain weights packed once into oneDNN's
+blocked layout, int8 weights on torch's int8 kernel.
 
 `F.linear` on CPU calls MKL's sgemm, which re-reads the weight in its stored layout every call; oneDNN
 reorders it once into the layout its kernels stream (vLLM's CPU backend does the same). A decode step
@@ -7,18 +8,31 @@ batch 8 took 83 ms with `F.linear` and 36 ms packed on a 2-core AVX2 EPYC (batch
 batch 64: 199 and 136 ms; experiments/investigations/packed_linear.py). Packed weights serve inference only: no gradients, no state_dict, and
 a tied output head gets its own packed copy (the embedding keeps the original). A compiled step needs
 plain weights (inductor lays them out itself): `weights_for_step` packs or unpacks a model, in place.
+
+torchao's eager int8 linear casts the whole weight to the activations' dtype every call (the head's
+49152 x 576 included, a transient as large as an unquantized head); `Int8RowLinear` calls torch's int8
+kernel instead, the one a compiled step reaches through inductor's pattern, for bf16 and fp16 activations:
+with fp32 ones the kernel is not vectorized (8.5x slower than bf16 here: 2 GB/s), and an fp32 model keeps
+torchao's layer, as int4 does.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ladder.config import cpu_computes_in_bf16
 from ladder.decode_step import DecodeStep
-from ladder.model import Attention, FeedForward, Transformer
-from ladder.quantize import is_quantized, tensor_bytes
+from ladder.model import HALF_PRECISION, Attention, FeedForward, Transformer
+from ladder.quantize import is_int8_per_row, is_quantized, tensor_bytes
+
+# Rows from which an int8 layer is faster dequantized (then one GEMM) than on torch's int8 kernel, which
+# computes per row: measured with experiments/investigations/int8_eager.py.
+INT8_DEQUANTIZE_MIN_ROWS = 64
 
 
 class PackedLinear(nn.Module):
@@ -40,6 +54,26 @@ class PackedLinear(nn.Module):
         return linear
 
 
+class Int8RowLinear(nn.Module):
+    """torchao's int8 weight-only layer (one scale per output row) for an eager CPU step: decode rows on
+    torch's int8 kernel, a prefill's many rows dequantized once into one GEMM. `layer` is the torchao layer
+    it reads, and what a compiled step gets back."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.layer.weight
+        if x.numel() >= INT8_DEQUANTIZE_MIN_ROWS * x.shape[-1]:  # a prefill
+            compute = x.dtype if cpu_computes_in_bf16() else torch.float32
+            dequantized = weight.qdata.to(compute).mul_(weight.scale.to(compute))
+            return F.linear(x.to(compute), dequantized).to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.qdata,
+                                               weight.scale.reshape(-1).to(x.dtype))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 @functools.cache
 def packing_works(dtype: torch.dtype) -> bool:
     """Whether this CPU and torch build pack `dtype` weights: oneDNN is in every x86 and ARM build of
@@ -54,15 +88,32 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 
 def weights_for_step(model: Transformer, step: DecodeStep) -> bool:
-    """Pack a CPU model's linear layers for an eager step, unpack them for a compiled one; whether they
-    end packed (never on CUDA, nor where packing does not work)."""
-    packed = isinstance(model.output, PackedLinear)
-    wanted = step is DecodeStep.EAGER and model.device.type == "cpu" and packing_works(model.tok_embeddings.weight.dtype)
-    if packed != wanted:
-        _convert_linears(model, PackedLinear if wanted else PackedLinear.unpacked)
-        if not wanted:
-            model.tie_weights()
-    return wanted
+    """Put a CPU model's linear layers in the eager layouts (packed, `Int8RowLinear`) for an eager step,
+    back to plain and torchao's for a compiled one; whether the plain ones end packed (never on CUDA,
+    nor where packing does not work)."""
+    dtype = model.tok_embeddings.weight.dtype  # the activations'
+    eager_cpu = step is DecodeStep.EAGER and model.device.type == "cpu"
+    pack = eager_cpu and packing_works(dtype)
+    was_packed = isinstance(model.output, PackedLinear)
+    _convert_linears(model, functools.partial(for_eager_cpu, pack=pack, int8_kernel=dtype in HALF_PRECISION)
+                     if eager_cpu else for_compiled)
+    if was_packed and not pack:
+        model.tie_weights()
+    return pack
+
+
+def for_eager_cpu(layer: nn.Module, pack: bool, int8_kernel: bool) -> nn.Module:
+    if isinstance(layer, (PackedLinear, Int8RowLinear)):
+        return layer
+    if int8_kernel and is_int8_per_row(layer.weight):
+        return Int8RowLinear(layer)
+    return PackedLinear(layer) if pack and not is_quantized(layer) else layer  # int4: torchao's kernel
+
+
+def for_compiled(layer: nn.Module) -> nn.Module:
+    if isinstance(layer, PackedLinear):
+        return layer.unpacked()
+    return layer.layer if isinstance(layer, Int8RowLinear) else layer
 
 
 def weight_bytes(model: Transformer) -> int:
@@ -74,13 +125,7 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
-def _unless_quantized(convert, linear: nn.Module) -> nn.Module:
-    return linear if is_quantized(linear) else convert(linear)
-
-
-def _convert_linears(model: Transformer, convert) -> None:
-    """Convert every plain linear layer (quantized ones keep torchao's layout and kernels)."""
-    convert = functools.partial(_unless_quantized, convert)
+def _convert_linears(model: Transformer, convert: Callable[[nn.Module], nn.Module]) -> None:
     for module in list(model.modules()):
         if isinstance(module, Attention):
             module.wqkv, module.wo = convert(module.wqkv), convert(module.wo)

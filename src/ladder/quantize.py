@@ -108,6 +108,14 @@ def is_quantized(linear: nn.Module) -> bool:
     return weight is not None and type(weight) not in (torch.Tensor, nn.Parameter)
 
 
+def is_int8_per_row(weight: torch.Tensor) -> bool:
+    """torchao's int8 weight-only tensor with one scale per output row (`Int8WeightOnlyConfig`), read by
+    its attributes: ladder imports torchao only where quantization is asked for."""
+    qdata = getattr(weight, "qdata", None)
+    return (qdata is not None and qdata.dtype == torch.int8 and getattr(weight, "act_quant_kwargs", True) is None
+            and getattr(weight, "act_pre_scale", None) is None and list(weight.block_size) == [1, qdata.shape[-1]])
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """The bytes a tensor holds: a quantized tensor's are its inner tensors' (data, scales, zero points),
     not its logical shape times the dtype it computes in."""
