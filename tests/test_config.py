@@ -68,6 +68,7 @@ def test_the_cpu_default_dtype_is_bf16_only_where_the_cpu_computes_in_bf16(monke
     assert config.default_dtype("cpu") == expected
     assert config.default_dtype("cuda") == "bfloat16"
     assert ModelSpec(preset="tiny").dtype_name(torch.device("cpu")) == expected
+    assert ModelSpec(preset="tiny", quantize="int8").dtype_name(torch.device("cpu")) == "bfloat16"
     monkeypatch.setenv(config.CPU_DTYPE_VARIABLE, "bfloat16")
     assert config.default_dtype("cpu") == "bfloat16"
     monkeypatch.setenv(config.CPU_DTYPE_VARIABLE, "fp8")

@@ -123,7 +123,7 @@ class ModelSpec:
         return config
 
     def dtype_name(self, device: torch.device) -> str:
-        return self.dtype or default_dtype(device.type)
+        return self.dtype or default_dtype(device.type, self.quantize)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         return DTYPES[self.dtype_name(device)]
