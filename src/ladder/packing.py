@@ -55,15 +55,17 @@ class PackedLinear(nn.Module):
 
 
 class Int8RowLinear(nn.Module):
-    """torchao's int8 weight-only layer (one scale per output row) for an eager CPU step: decode rows on
-    torch's int8 kernel, a prefill's many rows dequantized once into one GEMM. `layer` is the torchao layer
-    it reads, and what a compiled step gets back."""
+    """torchao's int8 weight-only layer (one scale per output row) on CPU: eager, decode rows on torch's
+    int8 kernel and a prefill's many rows dequantized once into one GEMM; compiled, torchao's layer, which
+    inductor's pattern turns into the same kernel. `layer` is the torchao layer it reads."""
 
     def __init__(self, layer: nn.Linear) -> None:
         super().__init__()
         self.layer = layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self.layer(x)
         weight = self.layer.weight
         if x.numel() >= INT8_DEQUANTIZE_MIN_ROWS * x.shape[-1]:  # a prefill
             compute = x.dtype if cpu_computes_in_bf16() else torch.float32
@@ -88,32 +90,28 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 
 def weights_for_step(model: Transformer, step: DecodeStep) -> bool:
-    """Put a CPU model's linear layers in the eager layouts (packed, `Int8RowLinear`) for an eager step,
-    back to plain and torchao's for a compiled one; whether the plain ones end packed (never on CUDA,
-    nor where packing does not work)."""
+    """Put a CPU model's linear layers in the layouts its step reads fastest: plain ones packed for an
+    eager step (plain again for a compiled one: inductor lays them out itself), int8 ones under
+    half-precision activations on torch's int8 kernel in every step (a compiled step's eager prefill
+    included). Whether the plain ones end packed (never on CUDA, nor where packing does not work)."""
     dtype = model.tok_embeddings.weight.dtype  # the activations'
-    eager_cpu = step is DecodeStep.EAGER and model.device.type == "cpu"
-    pack = eager_cpu and packing_works(dtype)
+    on_cpu = model.device.type == "cpu"
+    pack = on_cpu and step is DecodeStep.EAGER and packing_works(dtype)
     was_packed = isinstance(model.output, PackedLinear)
-    _convert_linears(model, functools.partial(for_eager_cpu, pack=pack, int8_kernel=dtype in HALF_PRECISION)
-                     if eager_cpu else for_compiled)
+    _convert_linears(model, functools.partial(layer_for_step, pack=pack, int8_kernel=on_cpu and dtype in HALF_PRECISION))
     if was_packed and not pack:
         model.tie_weights()
     return pack
 
 
-def for_eager_cpu(layer: nn.Module, pack: bool, int8_kernel: bool) -> nn.Module:
-    if isinstance(layer, (PackedLinear, Int8RowLinear)):
-        return layer
+def layer_for_step(layer: nn.Module, pack: bool, int8_kernel: bool) -> nn.Module:
+    if isinstance(layer, PackedLinear):
+        return layer if pack else layer.unpacked()
+    if isinstance(layer, Int8RowLinear):
+        return layer if int8_kernel else layer.layer
     if int8_kernel and is_int8_per_row(layer.weight):
         return Int8RowLinear(layer)
     return PackedLinear(layer) if pack and not is_quantized(layer) else layer  # int4: torchao's kernel
-
-
-def for_compiled(layer: nn.Module) -> nn.Module:
-    if isinstance(layer, PackedLinear):
-        return layer.unpacked()
-    return layer.layer if isinstance(layer, Int8RowLinear) else layer
 
 
 def weight_bytes(model: Transformer) -> int:
