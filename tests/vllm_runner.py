@@ -1,9 +1,10 @@
 """Runs vLLM on ladder folders in a process of its own and prints what the tests compare, as JSON.
 
     python tests/vllm_runner.py '{"folders": [...], "tp": 1, "prompt_ids": [...], "max_tokens": 12,
-                                  "eager": true, "compiled": [...], "profile_dir": null}'
+                                  "eager": true, "compiled": [...], "folder_args": {}, "profile_dir": null}'
     ("prompt_ids" a list for every folder, or {folder: list} for each its own; "compiled": folders that
-    vLLM compiles whatever "eager" says)
+    vLLM compiles whatever "eager" says; "folder_args": {folder: {LLM keyword: value}} for one folder,
+    e.g. its own tensor_parallel_size and pipeline_parallel_size; traces go to profile_dir/FOLDER_NAME/)
 
 One engine per folder, one after another in this process: vLLM's start-up (its imports, its engine
 and workers) is the cost of these tests, so a test module starts this once per TP degree. Prints
@@ -45,10 +46,11 @@ def run(folder: str, settings: dict) -> dict:
 
     try:
         eager = settings.get("eager", True) and folder not in settings.get("compiled", ())
-        llm = LLM(folder, tensor_parallel_size=settings["tp"], enforce_eager=eager,
+        args = {"tensor_parallel_size": settings["tp"], **settings.get("llm_args", {}),
+                **settings.get("folder_args", {}).get(folder, {})}
+        llm = LLM(folder, enforce_eager=eager,
                   dtype="float32", max_model_len=min(256, context_of(folder)), max_num_seqs=4, gpu_memory_utilization=0.1,
-                  skip_tokenizer_init=settings.get("skip_tokenizer_init", False), seed=0,
-                  **settings.get("llm_args", {}))
+                  skip_tokenizer_init=settings.get("skip_tokenizer_init", False), seed=0, **args)
     except Exception as exc:  # what a user of vLLM's Python API sees: the exception's message
         return {"error": f"{type(exc).__name__}: {exc}"}
     greedy = SamplingParams(temperature=0, max_tokens=settings["max_tokens"], ignore_eos=True, logprobs=0)
@@ -60,7 +62,9 @@ def run(folder: str, settings: dict) -> dict:
         llm.collective_rpc(start_profile)
     (out,) = llm.generate([prompt], greedy, use_tqdm=False)
     if settings.get("profile_dir"):
-        traces = llm.collective_rpc(stop_profile, args=(settings["profile_dir"],))
+        directory = Path(settings["profile_dir"]) / Path(folder).name
+        directory.mkdir(parents=True, exist_ok=True)
+        traces = llm.collective_rpc(stop_profile, args=(str(directory),))
     model = llm.collective_rpc(model_class)[0] if settings.get("report_model") else None
     del llm
     gc.collect()
