@@ -137,6 +137,7 @@ def prepare_inductor(vllm_config: VllmConfig) -> None:
     keep_mutation_renames()
 
 
+# (the dynamic dimensions named: vLLM finds them from annotations, which are strings in this module)
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
                                          "inputs_embeds": 0}, enable_if=compiled_by_vllm)
 class LadderLlamaModel(nn.Module):
