@@ -8,9 +8,10 @@ each all-reduce through a ladder `Communicator` on vLLM's TP group without waiti
 where the layout needs the sum, exactly as `ladder.model.Transformer._ladder_layers` does.
 
 On CPU, vLLM compiles the model (its DYNAMO_TRACE_ONCE mode, inductor) unless told `--enforce-eager`,
-with two settings that ladder's own compiled step uses too: inductor's `reorder_for_locality` off (it
-would move each all-reduce launch down to its wait, and the overlap with it), and `ladder.inductor_fix`
-(torch 2.13's CPU fusion read a ladder module's output before vLLM's linear layer had written it). On
+with settings that ladder's own compiled step uses too: inductor's `reorder_for_locality` off (it would
+move each all-reduce launch down to its wait, and the overlap with it), and `ladder.inductor_fix` (torch
+2.13's CPU fusion read a ladder module's output before vLLM's linear layer had written it); and one of
+its own, the CPP backend's horizontal fusion off (`prepare_inductor`). On
 CUDA it runs eager: vLLM's piecewise CUDA graphs around ladder's collectives have not run on a GPU. The
 start-up line says which.
 """
@@ -131,8 +132,12 @@ def compiled_by_vllm(vllm_config: VllmConfig) -> bool:
 
 def prepare_inductor(vllm_config: VllmConfig) -> None:
     """Before vLLM compiles: keep each all-reduce's launch where ladder put it, let an emulated link trace,
-    and mend inductor's fusion."""
-    vllm_config.compilation_config.inductor_compile_config["reorder_for_locality"] = False
+    and keep inductor's CPU fusion from reading a linear layer's output before vLLM's op writes it: the
+    fix for the bug found (`ladder.inductor_fix`), and no horizontal fusion in the CPP backend, where a
+    second case (a 10-layer hybrid in two pipeline stages) gave wrong tokens with the fix alone."""
+    options = vllm_config.compilation_config.inductor_compile_config
+    options["reorder_for_locality"] = False
+    options["cpp.max_horizontal_fusion_size"] = 1
     trace_emulated_launches()
     keep_mutation_renames()
 
