@@ -1,9 +1,9 @@
 """Runs vLLM on ladder folders in a process of its own and prints what the tests compare, as JSON.
 
     python tests/vllm_runner.py '{"folders": [...], "tp": 1, "prompt_ids": [...], "max_tokens": 12,
-                                  "eager": true, "compiled": [...], "folder_args": {}, "profile_dir": null}'
-    ("prompt_ids" a list for every folder, or {folder: list} for each its own; "compiled": folders that
-    vLLM compiles whatever "eager" says; "folder_args": {folder: {LLM keyword: value}} for one folder,
+                                  "eager": true, "folder_args": {}, "profile_dir": null}'
+    ("prompt_ids" a list for every folder, or {folder: list} for each its own; "folder_args": {folder:
+    {LLM keyword: value}} for one folder,
     e.g. its own tensor_parallel_size and pipeline_parallel_size; traces go to profile_dir/FOLDER_NAME/)
 
 One engine per folder, one after another in this process: vLLM's start-up (its imports, its engine
@@ -45,17 +45,16 @@ def run(folder: str, settings: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     try:
-        eager = settings.get("eager", True) and folder not in settings.get("compiled", ())
         args = {"tensor_parallel_size": settings["tp"], **settings.get("llm_args", {}),
                 **settings.get("folder_args", {}).get(folder, {})}
-        llm = LLM(folder, enforce_eager=eager,
+        llm = LLM(folder, enforce_eager=settings.get("eager", True),
                   dtype="float32", max_model_len=min(256, context_of(folder)), max_num_seqs=4, gpu_memory_utilization=0.1,
                   skip_tokenizer_init=settings.get("skip_tokenizer_init", False), seed=0, **args)
     except Exception as exc:  # what a user of vLLM's Python API sees: the exception's message
         return {"error": f"{type(exc).__name__}: {exc}"}
     greedy = SamplingParams(temperature=0, max_tokens=settings["max_tokens"], ignore_eos=True, logprobs=0)
-    ids = settings["prompt_ids"]
-    prompt = TokensPrompt(prompt_token_ids=ids[folder] if isinstance(ids, dict) else ids)
+    prompt_ids = settings["prompt_ids"]
+    prompt = TokensPrompt(prompt_token_ids=prompt_ids[folder] if isinstance(prompt_ids, dict) else prompt_ids)
     llm.generate([prompt], greedy, use_tqdm=False)  # warm-up (and a compiled graph's first run)
     traces = None
     if settings.get("profile_dir"):

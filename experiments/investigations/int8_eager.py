@@ -8,6 +8,7 @@ prefills dequantized (ladder's default), medians of a few calls.
 """
 
 import argparse
+import functools
 
 import torch
 
@@ -31,15 +32,15 @@ def main() -> None:
     model = ModelSpec(preset="smollm2-135m", device="cpu", dtype=args.dtype, quantize="int8").load(
         LocalCommunicator(), torch.device("cpu"), exact=False).model
     dequantize_from = packing.INT8_DEQUANTIZE_MIN_ROWS
-    # (torchao's layers back in an eager step: `weights_for_step` as for a compiled one)
-    paths = {"torchao eager": (DecodeStep.COMPILED, NEVER), "int8 kernel": (DecodeStep.EAGER, NEVER),
-             f"kernel, dequantized from {dequantize_from} rows": (DecodeStep.EAGER, dequantize_from)}
+    paths = {"torchao eager": (False, NEVER), "int8 kernel": (True, NEVER),
+             f"kernel, dequantized from {dequantize_from} rows": (True, dequantize_from)}
     for batch in map(int, args.batches.split(",")):
         engine = Engine(model, DecodeStep.EAGER)
         engine.reserve(batch, args.prompt_len + 64)
         prompts = torch.randint(0, 1000, (batch, args.prompt_len))
-        for label, (layers_of, min_rows) in paths.items():
-            packing.weights_for_step(model, layers_of)
+        for label, (int8_kernel, min_rows) in paths.items():
+            # torchao's layers, or `Int8RowLinear` as an eager step swaps them in
+            packing.convert_linears(model, functools.partial(packing.layer_for_step, pack=False, int8_kernel=int8_kernel))
             packing.INT8_DEQUANTIZE_MIN_ROWS = min_rows
             prefill = median_ms(lambda: engine.prefill_prompts(prompts), 3)
             decode = median_ms(lambda: engine.decode([1] * batch, [args.prompt_len] * batch), 15)

@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladder.config import cpu_computes_in_bf16
 from ladder.decode_step import DecodeStep
-from ladder.model import HALF_PRECISION, Attention, FeedForward, Transformer
+from ladder.model import CPU_COMPUTES_IN_BF16, HALF_PRECISION, Attention, FeedForward, Transformer
 from ladder.quantize import is_int8_per_row, is_quantized, tensor_bytes
 
 # Rows from which an int8 layer is faster dequantized (then one GEMM) than on torch's int8 kernel, which
@@ -68,7 +67,7 @@ class Int8RowLinear(nn.Module):
             return self.layer(x)
         weight = self.layer.weight
         if x.numel() >= INT8_DEQUANTIZE_MIN_ROWS * x.shape[-1]:  # a prefill
-            compute = x.dtype if cpu_computes_in_bf16() else torch.float32
+            compute = x.dtype if CPU_COMPUTES_IN_BF16 else torch.float32
             dequantized = weight.qdata.to(compute).mul_(weight.scale.to(compute))
             return F.linear(x.to(compute), dequantized).to(x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.qdata,
@@ -98,7 +97,7 @@ def weights_for_step(model: Transformer, step: DecodeStep) -> bool:
     on_cpu = model.device.type == "cpu"
     pack = on_cpu and step is DecodeStep.EAGER and packing_works(dtype)
     was_packed = isinstance(model.output, PackedLinear)
-    _convert_linears(model, functools.partial(layer_for_step, pack=pack, int8_kernel=on_cpu and dtype in HALF_PRECISION))
+    convert_linears(model, functools.partial(layer_for_step, pack=pack, int8_kernel=on_cpu and dtype in HALF_PRECISION))
     if was_packed and not pack:
         model.tie_weights()
     return pack
@@ -123,7 +122,8 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
-def _convert_linears(model: Transformer, convert: Callable[[nn.Module], nn.Module]) -> None:
+def convert_linears(model: Transformer, convert: Callable[[nn.Module], nn.Module]) -> None:
+    """Replace each block linear and the head by `convert(layer)`."""
     for module in list(model.modules()):
         if isinstance(module, Attention):
             module.wqkv, module.wo = convert(module.wqkv), convert(module.wo)
