@@ -170,7 +170,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """One layer's two modules. The residual add and all-reduce belong to `Transformer.forward`."""
 
-    BRANCHES = ("attention_branch", "mlp_branch", "parallel_branch")  # what `Transformer.compile_layers` compiles
+    STEPS = ("attention_step", "mlp_step", "parallel_step")  # what `Transformer.compile_layers` compiles
 
     def __init__(self, config: ModelConfig, shard: ShardShape) -> None:
         super().__init__()
@@ -194,6 +194,27 @@ class Block(nn.Module):
                         rows: slice | None = None) -> torch.Tensor:
         u = self.attention_norm(r)
         return self.attention(u, *rope, input_pos, mask, rows) + self.feed_forward(u)
+
+    # A step is a branch with the residual add before it: r + arrived (the module output that the layout
+    # adds to the stream here, or zeros), and the branch's output of that sum. Compiled as one graph
+    # (`Transformer.compile_layers`), the add fuses into the norm's kernel instead of running as a kernel
+    # of its own between two compiled graphs: 2 of a decode step's ~7 small kernels a layer on a GPU.
+
+    def attention_step(self, r: torch.Tensor, arrived: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       input_pos: torch.Tensor | None, mask: torch.Tensor | None,
+                       rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        r = r + arrived
+        return r, self.attention_branch(r, rope, input_pos, mask, rows)
+
+    def mlp_step(self, r: torch.Tensor, arrived: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = r + arrived
+        return r, self.mlp_branch(r)
+
+    def parallel_step(self, r: torch.Tensor, arrived: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      input_pos: torch.Tensor | None, mask: torch.Tensor | None,
+                      rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        r = r + arrived
+        return r, self.parallel_branch(r, rope, input_pos, mask, rows)
 
 
 class Transformer(nn.Module):
@@ -255,20 +276,20 @@ class Transformer(nn.Module):
         self.max_batch, self.max_seq = max_batch, max_seq
 
     def compile_layers(self) -> None:
-        """Regional compilation, in place: torch.compile each layer's branches (norm + attention and
-        norm + MLP, or parallel's pair under one norm), not the whole forward. Every layer runs the same
+        """Regional compilation, in place: torch.compile each layer's steps (residual add + norm + attention
+        and residual add + norm + MLP, or parallel's pair under one norm), not the whole forward. Every layer runs the same
         code with its own weights as inputs, so all layers reuse one compiled graph per branch and input
         shape: compiling 80 layers costs what compiling one does, where a compiled forward grows with
-        the layers (minutes for a 70B shard). The residual adds and all-reduces between branches stay
+        the layers (minutes for a 70B shard). The all-reduces and their waits between steps stay
         eager, so every layout keeps its eager schedule: ladder's all-reduces overlap the next branch
         as they do uncompiled. The final norm and head are compiled too: an int8 head runs torchao's int8
         kernel only compiled (eager, it casts the whole table to the activations' dtype every call).
         Forwards that should not compile (a prefill's many lengths) run under
         `torch.compiler.set_stance("force_eager")`."""
         for layer in self.layers:
-            for name in Block.BRANCHES:
-                branch = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
-                setattr(layer, name, torch.compile(branch, fullgraph=True, dynamic=False))
+            for name in Block.STEPS:
+                step = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
+                setattr(layer, name, torch.compile(step, fullgraph=True, dynamic=False))
         self.head = torch.compile(Transformer.head.__get__(self), fullgraph=True, dynamic=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,10 +340,11 @@ class Transformer(nn.Module):
         return project(self.output, self.norm(r))
 
     def _residual_modules(self, rope, input_pos, mask, rows):
-        """The 2L modules h_1..h_2L in execution order, as (index, callable) pairs."""
+        """The 2L modules h_1..h_2L in execution order, as (index, step) pairs: step(r, arrived) adds
+        `arrived` to the stream r and returns the sum and the module's output of it (`Block.attention_step`)."""
         for i, layer in enumerate(self.layers):
-            yield 2 * i, lambda r, layer=layer: layer.attention_branch(r, rope, input_pos, mask, rows)
-            yield 2 * i + 1, layer.mlp_branch
+            yield 2 * i, lambda r, arrived, layer=layer: layer.attention_step(r, arrived, rope, input_pos, mask, rows)
+            yield 2 * i + 1, layer.mlp_step
 
     def _ladder_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:
         """Standard, ladder and hybrid: module j reads r_{j-1} (standard) or r_{j-2} (ladder).
@@ -336,12 +358,14 @@ class Transformer(nn.Module):
         `pending` holds the handles of outputs not yet added to r, oldest first. Before a ladder
         module all but the newest are waited on and added (so it reads r_{j-2}, and the newest
         all-reduce keeps running while this module computes); before a standard module all are.
-        A hybrid model is this loop with ladder modules only in its last N layers: the first
-        ladder attention then reads the residual without the previous (standard) layer's MLP, so
-        that MLP's all-reduce, like a ladder module's, runs while the attention computes.
+        That is at most one output a module (the step adds it, or zeros where none is due: one graph
+        for every layer). A hybrid model is this loop with ladder modules only in its last N layers:
+        the first ladder attention then reads the residual without the previous (standard) layer's MLP,
+        so that MLP's all-reduce, like a ladder module's, runs while the attention computes.
         """
         pending: list[Handle] = []
         y = None  # the newest module's output: the compute a wait must come after
+        nothing = torch.zeros_like(r)
         # Looked up once a forward, not once a module: this loop runs between matrix products, where
         # the interpreter runs cold and each Python call costs microseconds that upper bound never pays.
         first_ladder_module = 2 * self.config.first_ladder_layer
@@ -352,9 +376,8 @@ class Transformer(nn.Module):
         comm = self.comm
         for j, module in self._residual_modules(rope, input_pos, mask, rows):
             stale = j >= first_ladder_module
-            while len(pending) > (1 if stale else 0):
-                r = r + pending.pop(0).wait(after=y)
-            y = module(r)  # (B, T, dim), partial sum of this rank
+            arrived = pending.pop(0).wait(after=y) if len(pending) > (1 if stale else 0) else nothing
+            r, y = module(r, arrived)  # y: (B, T, dim), partial sum of this rank
             pending.append(comm.all_reduce_async(y) if j >= first_overlapped else Done(comm.all_reduce(y)))
         for handle in pending:  # only the last all-reduce is exposed
             r = r + handle.wait(after=y)
@@ -362,9 +385,11 @@ class Transformer(nn.Module):
 
     def _parallel_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:
         """GPT-J / PaLM: r = r + AR(A(u) + M(u)), u = norm(r). One blocking all-reduce per layer."""
+        arrived = torch.zeros_like(r)
         for layer in self.layers:
-            r = r + self.comm.all_reduce(layer.parallel_branch(r, rope, input_pos, mask, rows))
-        return r
+            r, y = layer.parallel_step(r, arrived, rope, input_pos, mask, rows)
+            arrived = self.comm.all_reduce(y)
+        return r + arrived
 
     def _unsynchronised_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:
         """Desync and upper bound: each rank keeps its own residual stream.
@@ -375,10 +400,11 @@ class Transformer(nn.Module):
         """
         tp = self.comm.world_size
         upper_bound = self.config.layout == "upper-bound"
+        nothing = arrived = torch.zeros_like(r)
         for j, module in self._residual_modules(rope, input_pos, mask, rows):
-            y = module(r)
+            r, y = module(r, arrived)
             if not upper_bound and self.config.desync_reduces(j):
-                r = self.comm.all_reduce(y + r / tp)
+                r, arrived = self.comm.all_reduce(y + r / tp), nothing
             else:
-                r = r + y
-        return r
+                arrived = y
+        return r + arrived
