@@ -39,12 +39,14 @@
 # lent in time-limited calls, run it again and it goes on where the previous call was stopped, e.g.
 #   RESULTS=.gpu-results bash scripts/gpu_checks.sh; cp -r .gpu-results "$OUT"/   (.gpu-results is ignored by git)
 # The layouts of a configuration share one process and its weights and take turns (--interleave).
-# What is still unmeasured after the H200 leases of 2026-11-26 (results/gpu/h200/report.md), in the order a
-# 15-minute lease gets most from (a call of about 8 minutes, then one of about 5 on the warm machine):
+# What is still unmeasured after the H200 leases and the H100 lease of 2026-11-26 (results/gpu/h200/report.md,
+# results/gpu/h100/report.md), in the order a 15-minute lease gets most from (a call of about 8 minutes,
+# then one of about 5 on the warm machine):
 #   STEPS=env,tests,quantized,hybrid RESULTS=.gpu-results DEADLINE_S=480 QUANTIZE_BATCHES=1 HYBRID_BATCHES=1,16 \
 #     COMPILE="--compile-layers --cuda-graph" STEP_70B="--compile-layers --cuda-graph" RUNS=2 bash scripts/gpu_checks.sh
 #   (carry .whl with torchao; torchao's int8 compile of the 8B took over 100 s), then
-#   STEPS=shard-compiled COMPILED_BATCHES=1,64 LAYOUTS_70B=parallel for the parallel rows; on an H100, STEPS=all.
+#   STEPS=shard-compiled COMPILED_BATCHES=64,16 LAYOUTS_70B=standard,parallel,ladder,upper-bound on an H100
+#   (batch 1 and 4 measured there), or COMPILED_BATCHES=1,64 LAYOUTS_70B=parallel on an H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -871,10 +871,11 @@ GPU_RESULTS = Path(__file__).resolve().parents[1] / "results" / "gpu"
 @pytest.mark.parametrize(("path", "parallel_has_own_weights"), [
     ("llama-3-70b-tp8-shard.jsonl", True), ("h200/llama-3-70b-tp8-shard-compiled.jsonl", False),
     ("h200/compiled-tp1.jsonl", False), ("h200/quantized-tp1.jsonl", False),
-    ("h200/hybrid/llama-3-70b-tp8-shard-hybrid.jsonl", False)])
+    ("h200/hybrid/llama-3-70b-tp8-shard-hybrid.jsonl", False), ("h100/llama-3-70b-tp8-shard-compiled.jsonl", False),
+    ("h100/compiled-tp1.jsonl", False)])
 def test_memory_estimate_is_close_to_the_peak_a_gpu_measured(path, parallel_has_own_weights):
-    """results/gpu holds peak allocated memory per configuration, measured on an H100 and an H200
-    (scripts/gpu_checks.sh): the 70B TP-8 shard, Llama-3-8B at batch 1 and 16, and 8B in int4; the
+    """results/gpu holds peak allocated memory per configuration, measured on H100s and an H200
+    (scripts/gpu_checks.sh): the 70B TP-8 shard (eager and compiled), Llama-3-8B at batch 1 and 16, and 8B in int4; the
     estimate that refuses configurations must stay near it. (An older estimate counted the prefill's
     logits at every position and refused batch 64 of four layouts.) The H100 groups were measured when
     parallel held a copy of the weights of its own: two sets; on the H200 every layout shares one."""
