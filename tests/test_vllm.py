@@ -1,5 +1,5 @@
 """ladder folders in vLLM (its CPU build, `vllm-cpu`), through ladder's plugin: vLLM's greedy tokens are
-ladder's at TP 1 and 2; a chat answer through vLLM's OpenAI server; the overlap in a TP-2 profiler
+ladder's at TP 1, 2 and 3; a chat answer through vLLM's OpenAI server; the overlap in a TP-2 profiler
 trace; a layout the plugin refuses is one line.
 
 vLLM's start-up is the cost here (its imports in each of its processes, its engine, its workers), so
@@ -32,9 +32,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not
 
 CPU = torch.device("cpu")
 RUNNER = Path(__file__).with_name("vllm_runner.py")
-# The fully ladder layout runs through the tiny TP-2 model (a real checkpoint made all-ladder without
-# adaptation repeats one token: it tells little, for a vLLM engine's 10 s of the suite).
-SMOLLM_LAYOUTS = {"standard": ("standard", None), "hybrid-8": ("ladder", 8)}
+# SmolLM2 made all-ladder without adaptation repeats one token, so its log-probabilities are compared too.
+SMOLLM_LAYOUTS = {"standard": ("standard", None), "hybrid-8": ("ladder", 8), "ladder": ("ladder", None)}
 NEW_TOKENS = 12
 
 
@@ -51,10 +50,6 @@ def run_vllm(folders: list[Path], tp: int, prompt_ids: list[int] | dict[Path, li
     return {Path(folder).name: result for folder, result in json.loads(lines[-1][len("RESULTS "):]).items()}
 
 
-def ladder_greedy(folder: Path, prompt_ids: list[int]) -> list[int]:
-    return ladder_greedy_logprobs(folder, prompt_ids)[0]
-
-
 def ladder_greedy_logprobs(folder: Path, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
     """ladder's greedy tokens, and the log-probability of each as ladder's model gives it."""
     model = ModelSpec(model=str(folder), dtype="float32").load(LocalCommunicator(), CPU).model
@@ -66,8 +61,8 @@ def ladder_greedy_logprobs(folder: Path, prompt_ids: list[int]) -> tuple[list[in
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct as `ladder convert` writes it in two layouts, a prompt, and ladder's greedy
-    tokens for each (the question asked of vLLM)."""
+    """SmolLM2-135M-Instruct as `ladder convert` writes it in three layouts, a prompt, and ladder's greedy
+    tokens and their log-probabilities for each (the question asked of vLLM)."""
     root = tmp_path_factory.mktemp("smollm2")
     folders = {}
     for name, (layout, n) in SMOLLM_LAYOUTS.items():
@@ -75,8 +70,8 @@ def smollm2(tmp_path_factory):
             LocalCommunicator(), CPU)
         folders[name] = save_hf(root / name, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
     prompt = loaded.tokenizer.encode("The capital of France is")
-    expected = {name: ladder_greedy(folder, prompt) for name, folder in folders.items()}
-    assert expected["hybrid-8"] != expected["standard"]  # the layouts are told apart by these tokens
+    expected = {name: ladder_greedy_logprobs(folder, prompt) for name, folder in folders.items()}
+    assert len({tuple(ids) for ids, _ in expected.values()}) == 3  # the layouts are told apart by these tokens
     return folders, prompt, expected
 
 
@@ -101,20 +96,26 @@ def at_tp1(smollm2, tmp_path_factory):
     desync = save_hf(root / "desync", loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
     parallel = tiny_folder(root, "parallel")
     prompts = {**{folder: prompt for folder in folders.values()}, desync: prompt, parallel: TINY_PROMPT}
-    expected = {**expected, parallel.name: ladder_greedy(parallel, TINY_PROMPT)}
+    expected = {**expected, parallel.name: ladder_greedy_logprobs(parallel, TINY_PROMPT)}
     return run_vllm(list(prompts), 1, prompts, report_model=True), expected
+
+
+def same_answer(result: dict, expected: tuple[list[int], list[float]]) -> bool:
+    """vLLM's greedy tokens are ladder's, and their log-probabilities within 1e-3 (fp32, sums in another order)."""
+    ids, logprobs = expected
+    return result["ids"] == ids and result["logprobs"] == pytest.approx(logprobs, abs=1e-3)
 
 
 @pytest.mark.parametrize("name", [*SMOLLM_LAYOUTS, "tiny-parallel-4"])
 def test_vllm_greedy_tokens_are_ladders_at_tp1(at_tp1, name):
     results, expected = at_tp1
-    assert results[name]["ids"] == expected[name]
+    assert same_answer(results[name], expected[name]), (results[name], expected[name])
 
 
 def test_a_standard_folder_stays_vllms_own_llama_and_a_ladder_folder_is_the_plugins(at_tp1):
     results, _ = at_tp1
     assert results["standard"]["model"] == "LlamaForCausalLM"
-    assert {results[name]["model"] for name in ("hybrid-8", "tiny-parallel-4")} == {"LadderLlamaForCausalLM"}
+    assert {results[name]["model"] for name in ("hybrid-8", "ladder", "tiny-parallel-4")} == {"LadderLlamaForCausalLM"}
 
 
 def test_a_desync_folder_is_refused_in_one_line(at_tp1):
@@ -145,7 +146,7 @@ def tiny_tp2(tmp_path_factory):
     staged = tiny_folder(root, "ladder", n_layers=10, ladder_layers=8)
     result = run_vllm([folder, staged], 2, TINY_PROMPT, profile_dir=str(root), eager=False,
                       folder_args={str(staged): {"tensor_parallel_size": 1, "pipeline_parallel_size": 2}})
-    return result, {folder.name: ladder_greedy(folder, TINY_PROMPT),
+    return result, {folder.name: ladder_greedy_logprobs(folder, TINY_PROMPT)[0],
                     staged.name: ladder_greedy_logprobs(staged, TINY_PROMPT)}
 
 
@@ -182,27 +183,37 @@ def test_vllm_keeps_ladders_overlap_at_tp2(tiny_tp2):
         assert at_each_wait == per_step * NEW_TOKENS
 
 
-def test_a_chat_completion_through_vllms_openai_server_is_ladders_answer(smollm2):
-    """`python -m vllm.entrypoints.openai.api_server --model FOLDER`: the folder's chat template and the
-    plugin's model answer as ladder's engine answers the same chat. (At TP 1: the tiny model's TP-2 run
-    above checks the plugin's tensor parallelism; SmolLM2's 9 heads and 3 KV heads need three ranks,
-    whose three vLLM start-ups on two cores cost the suite 16 s more. Eager, as the runner's engines:
-    vLLM's CPU compile costs 12 s. `experiments/vllm_serving.py` serves at TP 4.)"""
+def test_vllms_openai_server_at_tp3_answers_a_chat_and_a_prompt_as_ladder_does(smollm2, monkeypatch):
+    """`python -m vllm.entrypoints.openai.api_server --model FOLDER --tensor-parallel-size 3`, SmolLM2's 9
+    heads and 3 KV heads on three ranks, the hybrid folder (the plugin's standard modules and its ladder
+    ones), asked with the official `openai` client: the folder's chat template and the plugin's model answer
+    a chat as ladder's engine answers it, and a completion of the prompt's ids has ladder's greedy tokens,
+    their log-probabilities within 1e-3. One server for both (three ranks' start-up costs the suite about a
+    minute on two cores; the fully ladder folder at TP 3 stays out for that). Eager, as the runner's
+    engines: vLLM's CPU compile costs 12 s. `experiments/vllm_serving.py` serves at TP 4."""
     openai = pytest.importorskip("openai")
-    folders, _, _ = smollm2
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # one NUMA node: no rank-per-node binding
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # more ranks than cores: one thread each
+    folders, prompt, expected = smollm2
     folder = folders["hybrid-8"]
     tokenizer = TextTokenizer.from_hf_folder(folder)
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.encode(tokenizer.render_chat(question))
-    expected = tokenizer.decode(ladder_greedy(folder, ids))
+    chat_ids = tokenizer.encode(tokenizer.render_chat(question))
+    expected_chat = tokenizer.decode(ladder_greedy_logprobs(folder, chat_ids)[0])
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
-               "--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.1", "--enforce-eager",
-               "--max-num-seqs", "4"]
+               "--tensor-parallel-size", "3", "--dtype", "float32", "--max-model-len", "256",
+               "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager", "--max-num-seqs", "4"]
     with StartedServer(command, port, "vllm"):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         answer = client.chat.completions.create(model=str(folder), messages=question, temperature=0,
                                                 max_tokens=NEW_TOKENS)
+        completion = client.completions.create(model=str(folder), prompt=prompt, temperature=0, max_tokens=NEW_TOKENS,
+                                               logprobs=0, extra_body={"ignore_eos": True,
+                                                                       "return_tokens_as_token_ids": True})
     text = answer.choices[0].message.content
     assert "Paris" in text
-    assert expected.startswith(text)  # vLLM stops at the end-of-turn token; ladder's engine here does not
+    assert expected_chat.startswith(text)  # vLLM stops at the end-of-turn token; ladder's engine here does not
+    logprobs = completion.choices[0].logprobs
+    ids = [int(token.removeprefix("token_id:")) for token in logprobs.tokens]
+    assert same_answer({"ids": ids, "logprobs": logprobs.token_logprobs}, expected["hybrid-8"])

@@ -20,6 +20,11 @@ from pathlib import Path
 import torch
 
 
+# The KV cache's size, given: from a share of memory (gpu_memory_utilization, on CPU a share of the machine's),
+# vLLM takes away the process's RSS first, so the share that fit one machine left no cache on a smaller one.
+KV_CACHE_BYTES = 64 * 2**20
+
+
 def start_profile(worker) -> None:  # runs in each vLLM worker (collective_rpc)
     worker.ladder_profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     worker.ladder_profile.__enter__()
@@ -48,7 +53,7 @@ def run(folder: str, settings: dict) -> dict:
         args = {"tensor_parallel_size": settings["tp"], **settings.get("llm_args", {}),
                 **settings.get("folder_args", {}).get(folder, {})}
         llm = LLM(folder, enforce_eager=settings.get("eager", True),
-                  dtype="float32", max_model_len=min(256, context_of(folder)), max_num_seqs=4, gpu_memory_utilization=0.1,
+                  dtype="float32", max_model_len=min(256, context_of(folder)), max_num_seqs=4, kv_cache_memory_bytes=KV_CACHE_BYTES,
                   skip_tokenizer_init=settings.get("skip_tokenizer_init", False), seed=0, **args)
     except Exception as exc:  # what a user of vLLM's Python API sees: the exception's message
         return {"error": f"{type(exc).__name__}: {exc}"}
