@@ -25,6 +25,7 @@ from ladder.spec import ModelSpec
 from ladder.weights import export_hf_state_dict
 
 from helpers import in_flight_at_each_wait
+from vllm_runner import KV_CACHE_BYTES
 
 # The README's test command installs vLLM, so CI runs these; elsewhere they need `pip install "ladder[vllm]"`.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
@@ -203,7 +204,7 @@ def test_vllms_openai_server_at_tp3_answers_a_chat_and_a_prompt_as_ladder_does(s
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
                "--tensor-parallel-size", "3", "--dtype", "float32", "--max-model-len", "256",
-               "--kv-cache-memory-bytes", str(64 * 2**20), "--enforce-eager", "--max-num-seqs", "4"]
+               "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager", "--max-num-seqs", "4"]
     with StartedServer(command, port, "vllm"):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         answer = client.chat.completions.create(model=str(folder), messages=question, temperature=0,

@@ -168,7 +168,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One layer's two modules. The residual add and all-reduce belong to `Transformer.forward`."""
+    """One layer's two modules. Which output a module adds to the stream, and the all-reduces, belong to
+    `Transformer.forward`."""
 
     STEPS = ("attention_step", "mlp_step", "parallel_step")  # what `Transformer.compile_layers` compiles
 
@@ -198,7 +199,7 @@ class Block(nn.Module):
     # A step is a branch with the residual add before it: r + arrived (the module output that the layout
     # adds to the stream here, or zeros), and the branch's output of that sum. Compiled as one graph
     # (`Transformer.compile_layers`), the add fuses into the norm's kernel instead of running as a kernel
-    # of its own between two compiled graphs: 2 of a decode step's ~7 small kernels a layer on a GPU.
+    # of its own between two compiled graphs: 2 of a decode step's ~13 small kernels a layer on a GPU.
 
     def attention_step(self, r: torch.Tensor, arrived: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        input_pos: torch.Tensor | None, mask: torch.Tensor | None,
@@ -276,12 +277,12 @@ class Transformer(nn.Module):
         self.max_batch, self.max_seq = max_batch, max_seq
 
     def compile_layers(self) -> None:
-        """Regional compilation, in place: torch.compile each layer's steps (residual add + norm + attention
-        and residual add + norm + MLP, or parallel's pair under one norm), not the whole forward. Every layer runs the same
-        code with its own weights as inputs, so all layers reuse one compiled graph per branch and input
-        shape: compiling 80 layers costs what compiling one does, where a compiled forward grows with
-        the layers (minutes for a 70B shard). The all-reduces and their waits between steps stay
-        eager, so every layout keeps its eager schedule: ladder's all-reduces overlap the next branch
+        """Regional compilation, in place: torch.compile each layer's steps (residual add + norm +
+        attention and residual add + norm + MLP, or parallel's pair under one norm), not the whole forward.
+        Every layer runs the same code with its own weights as inputs, so all layers reuse one compiled
+        graph per step and input shape: compiling 80 layers costs what compiling one does, where a
+        compiled forward grows with the layers (minutes for a 70B shard). The all-reduces and their waits
+        between steps stay eager, so every layout keeps its eager schedule: ladder's all-reduces overlap the next step
         as they do uncompiled. The final norm and head are compiled too: an int8 head runs torchao's int8
         kernel only compiled (eager, it casts the whole table to the activations' dtype every call).
         Forwards that should not compile (a prefill's many lengths) run under
