@@ -282,8 +282,8 @@ class Transformer(nn.Module):
         Every layer runs the same code with its own weights as inputs, so all layers reuse one compiled
         graph per step and input shape: compiling 80 layers costs what compiling one does, where a
         compiled forward grows with the layers (minutes for a 70B shard). The all-reduces and their waits
-        between steps stay eager, so every layout keeps its eager schedule: ladder's all-reduces overlap the next step
-        as they do uncompiled. The final norm and head are compiled too: an int8 head runs torchao's int8
+        between steps stay eager, so every layout keeps its eager schedule: ladder's all-reduces overlap
+        the next step as they do uncompiled. The final norm and head are compiled too: an int8 head runs torchao's int8
         kernel only compiled (eager, it casts the whole table to the activations' dtype every call).
         Forwards that should not compile (a prefill's many lengths) run under
         `torch.compiler.set_stance("force_eager")`."""
