@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# Two test files at a time (pytest-xdist, a file's tests on one worker, so module fixtures are made once):
+# most tests wait on processes they start (imports, launchers, servers), so two cores run two of them.
+exec .venv/bin/python -m pytest -q -n auto --maxprocesses 2 --dist loadfile "$@"

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import socket
 import subprocess
 import time
@@ -626,12 +627,14 @@ def test_comm_share_dilates_each_configuration_once_and_resume_keeps_its_scale(t
     assert len(records) == 12 and {r["comm_share"] for r in records} == {0.2}
     for b in (1, 2):  # every layout and round of a configuration runs on one link
         assert len({r["link_scale"] for r in records if r["batch_size"] == b}) == 1
-    # What standard pays beyond upper bound is about the share asked for (loosely: prefill counts too,
-    # a 1 ms step is noisy, and a machine busy with other work during the calibration or the run moves
-    # it: 0.52 was seen so; an inverted dilation would give 0.8).
-    rows = {(r["layout"], r["batch_size"]): r["tokens_per_s"] for r in summarise(records)}
-    for b in (1, 2):
-        assert 0.05 < 1 - rows[("standard", b)] / rows[("upper-bound", b)] < 0.7
+    # Each configuration runs at the scale its calibration found: link time x scale = share / (1 - share) x
+    # compute, as printed (3 significant figures). Whether the measured steps then show that share is a
+    # benchmark's question (timed here, it moved with whatever else the machine ran).
+    said = re.findall(r"bs=(\d+): x([\d.]+) \(standard's step here: ([\d.]+) ms of compute, ([\d.]+) ms", first.stdout)
+    assert len(said) == 2, first.stdout
+    for b, scale, compute_ms, link_ms in said:
+        assert float(scale) == pytest.approx(0.2 / 0.8 * float(compute_ms) / float(link_ms), rel=0.03)
+        assert next(r["link_scale"] for r in records if r["batch_size"] == int(b)) == pytest.approx(float(scale), rel=5e-3)
     again = ladder_cli(*args, "--resume")
     assert again.returncode == 0, again.stderr
     assert again.stdout.count("as measured before (--resume)") == 2 and "nothing new appended" in again.stdout

@@ -7,6 +7,7 @@ goes away, streaming or not, cancels its request, which frees its KV-cache row a
 """
 
 import asyncio
+import functools
 import hmac
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -218,12 +219,21 @@ def _generate(state: ServerState, prompt: list[int], params: GenerationParams,
         raise ApiError(503, "the model is still loading", "service_unavailable", retry_after_s=5)
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
     try:
-        sequence = state.scheduler.submit(prompt, params, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        sequence = state.scheduler.submit(prompt, params, functools.partial(_deliver, loop, queue))
     except QueueFull as exc:
         raise ApiError(503, f"the server is at capacity: {exc}", "server_overloaded", retry_after_s=1) from None
     except Unavailable as exc:
         raise ApiError(503, str(exc), "service_unavailable") from None
     return _outputs(state.scheduler, sequence, queue, request)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, out: Output) -> None:
+    """Hand an output from the engine thread to its request's handler; dropped once the HTTP server's loop
+    has closed (its handlers are gone, and the engine thread must not fail on it)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, out)
+    except RuntimeError:  # "Event loop is closed"
+        pass
 
 
 async def _outputs(scheduler: Scheduler, sequence: Sequence, queue: asyncio.Queue,

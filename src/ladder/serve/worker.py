@@ -13,6 +13,7 @@ then answers 503 and exits non-zero.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -38,6 +39,9 @@ from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import Scheduler
 from ladder.serve.steps import run_plan, share_plan
 from ladder.spec import ModelSpec
+
+
+ABORTED_STREAMS_END_S = 5  # after the drain: for aborted streams to send their last event
 
 
 @dataclass(frozen=True)
@@ -144,8 +148,8 @@ def _serve(settings: ServeSettings, ctx: DistContext | None) -> None:
     state = ServerState(settings.name, settings.max_model_len or 0, ServerMetrics(settings.name),
                         api_key=settings.api_key)
     config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_level="warning",
-                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s))
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s + ABORTED_STREAMS_END_S))
+    server = DrainingServer(config, state, settings.shutdown_timeout_s)
     failure: list[str] = []
     engine = threading.Thread(target=_engine, args=(settings, ctx, state, server, failure), daemon=True,
                               name="ladder-engine")
@@ -164,6 +168,27 @@ def _serve(settings: ServeSettings, ctx: DistContext | None) -> None:
     if failure:
         raise LadderError(failure[0])
     say("ladder: server stopped")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown gives the requests in flight `drain_s` seconds and then
+    aborts the rest in the scheduler: each ends as an answer does (finish reason "abort"). uvicorn's own
+    timeout, later, would cancel the handlers instead: streams cut without an end, a traceback for each."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_s: float) -> None:
+        super().__init__(config)
+        self.state, self.drain_s = state, drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+        abort = asyncio.get_running_loop().call_later(self.drain_s, self._abort_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
+
+    def _abort_in_flight(self) -> None:
+        if self.state.scheduler is not None:
+            self.state.scheduler.shutdown()
 
 
 def _engine(settings: ServeSettings, ctx: DistContext | None, state: ServerState, server: uvicorn.Server,
