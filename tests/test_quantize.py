@@ -110,11 +110,16 @@ class CalledOps(TorchDispatchMode):
 def test_an_eager_cpu_bf16_int8_forward_runs_torchs_int8_kernel_and_casts_no_weight(monkeypatch):
     """torchao's eager int8 linear casts the whole weight to the activations' dtype each call; an eager CPU
     step (`weights_for_step`) calls the int8 kernel that a compiled step reaches, head included; a prefill
-    dequantizes instead, in every step (a compiled step's prefill is eager). An fp32 model keeps torchao's
-    layers (the kernel's fp32 path is not vectorized)."""
+    dequantizes instead, in every step (a compiled step's prefill is eager). An fp32 model dequantizes
+    blocks of rows (the kernel's fp32 path is not vectorized): torchao's logits, without its whole-weight copies."""
     fp32 = make_model(tiny(**QUANTIZABLE), quantize="int8")
+    with torch.inference_mode():
+        torchaos = fp32(PROMPT)
     weights_for_step(fp32, DecodeStep.EAGER)
-    assert is_quantized(fp32.output) and is_quantized(fp32.layers[0].feed_forward.w2)
+    monkeypatch.setattr(packing, "DEQUANTIZE_ROWS", 7)  # several blocks, the last one short
+    with CalledOps() as ops, torch.inference_mode():
+        torch.testing.assert_close(fp32(PROMPT), torchaos, atol=1e-5, rtol=1e-5)
+    assert isinstance(fp32.output, Int8RowLinear) and ops.counts[torch.ops.aten._weight_int8pack_mm.default] == 0
     model = make_model(tiny(**QUANTIZABLE), quantize="int8").to(torch.bfloat16)
     weights_for_step(model, DecodeStep.EAGER)
     with CalledOps() as ops, torch.inference_mode():

@@ -11,9 +11,9 @@ plain weights (inductor lays them out itself): `weights_for_step` packs or unpac
 
 torchao's eager int8 linear casts the whole weight to the activations' dtype every call (the head's
 49152 x 576 included, a transient as large as an unquantized head); `Int8RowLinear` calls torch's int8
-kernel instead, the one a compiled step reaches through inductor's pattern, for bf16 and fp16 activations:
-with fp32 ones the kernel is not vectorized (8.5x slower than bf16 here: 2 GB/s), and an fp32 model keeps
-torchao's layer, as int4 does.
+kernel instead, the one a compiled step reaches through inductor's pattern, for bf16 and fp16 activations;
+with fp32 ones that kernel is not vectorized (8.5x slower than bf16 here: 2 GB/s), and the weight is
+dequantized a block of rows at a time instead. int4 keeps torchao's layer.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ladder.quantize import is_int8_per_row, is_quantized, tensor_bytes
 # Rows from which an int8 layer is faster dequantized (then one GEMM) than on torch's int8 kernel, which
 # computes per row: measured with experiments/investigations/int8_eager.py.
 INT8_DEQUANTIZE_MIN_ROWS = 64
+DEQUANTIZE_ROWS = 4096  # output rows dequantized at a time: 9.4 MB of float32 for SmolLM2's 576 columns
 
 
 class PackedLinear(nn.Module):
@@ -54,9 +55,12 @@ class PackedLinear(nn.Module):
 
 
 class Int8RowLinear(nn.Module):
-    """torchao's int8 weight-only layer (one scale per output row) on CPU: eager, decode rows on torch's
-    int8 kernel and a prefill's many rows dequantized once into one GEMM; compiled, torchao's layer, which
-    inductor's pattern turns into the same kernel. `layer` is the torchao layer it reads."""
+    """torchao's int8 weight-only layer (one scale per output row) on CPU. Eager: half-precision decode rows
+    on torch's int8 kernel; a prefill's many rows, and float32 activations (where that kernel is not
+    vectorized), on the weight dequantized `DEQUANTIZE_ROWS` output rows at a time, each block one GEMM (the
+    same products as torchao's eager layer, which dequantizes the whole weight each call: a float32 copy of
+    SmolLM2's int8 head is 113 MB, its largest transient). Compiled: torchao's layer, which inductor's
+    pattern turns into the int8 kernel. `layer` is the torchao layer it reads."""
 
     def __init__(self, layer: nn.Linear) -> None:
         super().__init__()
@@ -65,14 +69,22 @@ class Int8RowLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self.layer(x)
+        if x.dtype not in HALF_PRECISION or x.numel() >= INT8_DEQUANTIZE_MIN_ROWS * x.shape[-1]:
+            return self._on_dequantized_rows(x)
         weight = self.layer.weight
-        if x.numel() >= INT8_DEQUANTIZE_MIN_ROWS * x.shape[-1]:  # a prefill
-            compute = x.dtype if CPU_COMPUTES_IN_BF16 else torch.float32
-            dequantized = weight.qdata.to(compute).mul_(weight.scale.to(compute))
-            return F.linear(x.to(compute), dequantized).to(x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.qdata,
                                                weight.scale.reshape(-1).to(x.dtype))
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _on_dequantized_rows(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.layer.weight
+        compute = x.dtype if CPU_COMPUTES_IN_BF16 or x.dtype not in HALF_PRECISION else torch.float32
+        x_compute, scale = x.to(compute), weight.scale.reshape(-1, 1).to(compute)
+        y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+        for start in range(0, weight.shape[0], DEQUANTIZE_ROWS):
+            rows = slice(start, start + DEQUANTIZE_ROWS)
+            y[..., rows] = F.linear(x_compute, weight.qdata[rows].to(compute).mul_(scale[rows]))
+        return y
 
 
 @functools.cache
@@ -90,25 +102,24 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 def weights_for_step(model: Transformer, step: DecodeStep) -> bool:
     """Put a CPU model's linear layers in the layouts its step reads fastest: plain ones packed for an
-    eager step (plain again for a compiled one: inductor lays them out itself), int8 ones under
-    half-precision activations on torch's int8 kernel in every step (a compiled step's eager prefill
-    included). Whether the plain ones end packed (never on CUDA, nor where packing does not work)."""
+    eager step (plain again for a compiled one: inductor lays them out itself), int8 ones as
+    `Int8RowLinear` in every step (a compiled step's eager prefill included). Whether the plain ones end packed (never on CUDA, nor where packing does not work)."""
     dtype = model.tok_embeddings.weight.dtype  # the activations'
     on_cpu = model.device.type == "cpu"
     pack = on_cpu and step is DecodeStep.EAGER and packing_works(dtype)
     was_packed = isinstance(model.output, PackedLinear)
-    convert_linears(model, functools.partial(layer_for_step, pack=pack, int8_kernel=on_cpu and dtype in HALF_PRECISION))
+    convert_linears(model, functools.partial(layer_for_step, pack=pack, int8_rows=on_cpu))
     if was_packed and not pack:
         model.tie_weights()
     return pack
 
 
-def layer_for_step(layer: nn.Module, pack: bool, int8_kernel: bool) -> nn.Module:
+def layer_for_step(layer: nn.Module, pack: bool, int8_rows: bool) -> nn.Module:
     if isinstance(layer, PackedLinear):
         return layer if pack else layer.unpacked()
     if isinstance(layer, Int8RowLinear):
-        return layer if int8_kernel else layer.layer
-    if int8_kernel and is_int8_per_row(layer.weight):
+        return layer if int8_rows else layer.layer
+    if int8_rows and is_int8_per_row(layer.weight):
         return Int8RowLinear(layer)
     return PackedLinear(layer) if pack and not is_quantized(layer) else layer  # int4: torchao's kernel
 
