@@ -38,9 +38,9 @@ def main() -> None:
         engine = Engine(model, DecodeStep.EAGER)
         engine.reserve(batch, args.prompt_len + 64)
         prompts = torch.randint(0, 1000, (batch, args.prompt_len))
-        for label, (int8_kernel, min_rows) in paths.items():
+        for label, (int8_rows, min_rows) in paths.items():
             # torchao's layers, or `Int8RowLinear` as an eager step swaps them in
-            packing.convert_linears(model, functools.partial(packing.layer_for_step, pack=False, int8_rows=int8_kernel))
+            packing.convert_linears(model, functools.partial(packing.layer_for_step, pack=False, int8_rows=int8_rows))
             packing.INT8_DEQUANTIZE_MIN_ROWS = min_rows
             prefill = median_ms(lambda: engine.prefill_prompts(prompts), 3)
             decode = median_ms(lambda: engine.decode([1] * batch, [args.prompt_len] * batch), 15)

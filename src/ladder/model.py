@@ -73,13 +73,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a CPU computes `dtype` tensors in: float32 for half precision on a CPU without bf16
+    arithmetic (AVX2 emulates it, and PyTorch has no bf16 matrix kernel for it), else `dtype` itself."""
+    return torch.float32 if dtype in HALF_PRECISION and not CPU_COMPUTES_IN_BF16 else dtype
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention (causal without a mask), in float32 where the tensors are half precision
     on a CPU without bf16 arithmetic: AVX2 emulates bf16, and SmolLM2's decode attention ran 2.5x slower
     in it than upcast (the KV cache stays in the model's dtype)."""
     dtype = q.dtype
-    if q.device.type == "cpu" and dtype in HALF_PRECISION and not CPU_COMPUTES_IN_BF16:
-        q, k, v = q.float(), k.float(), v.float()
+    if q.device.type == "cpu":
+        q, k, v = (t.to(cpu_compute_dtype(dtype)) for t in (q, k, v))
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).to(dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).to(dtype)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladder.decode_step import DecodeStep
-from ladder.model import CPU_COMPUTES_IN_BF16, HALF_PRECISION, Attention, FeedForward, Transformer
+from ladder.model import HALF_PRECISION, Attention, FeedForward, Transformer, cpu_compute_dtype
 from ladder.quantize import is_int8_per_row, is_quantized, tensor_bytes
 
 # Rows from which an int8 layer is faster dequantized (then one GEMM) than on torch's int8 kernel, which
@@ -78,7 +78,7 @@ class Int8RowLinear(nn.Module):
 
     def _on_dequantized_rows(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.layer.weight
-        compute = x.dtype if CPU_COMPUTES_IN_BF16 or x.dtype not in HALF_PRECISION else torch.float32
+        compute = cpu_compute_dtype(x.dtype)
         x_compute, scale = x.to(compute), weight.scale.reshape(-1, 1).to(compute)
         y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
         for start in range(0, weight.shape[0], DEQUANTIZE_ROWS):
@@ -103,7 +103,8 @@ def packing_works(dtype: torch.dtype) -> bool:
 def weights_for_step(model: Transformer, step: DecodeStep) -> bool:
     """Put a CPU model's linear layers in the layouts its step reads fastest: plain ones packed for an
     eager step (plain again for a compiled one: inductor lays them out itself), int8 ones as
-    `Int8RowLinear` in every step (a compiled step's eager prefill included). Whether the plain ones end packed (never on CUDA, nor where packing does not work)."""
+    `Int8RowLinear` in every step (a compiled step's eager prefill included). Whether the plain ones end
+    packed (never on CUDA, nor where packing does not work)."""
     dtype = model.tok_embeddings.weight.dtype  # the activations'
     on_cpu = model.device.type == "cpu"
     pack = on_cpu and step is DecodeStep.EAGER and packing_works(dtype)
