@@ -26,7 +26,7 @@ from ladder.comm.emulated import EmulatedCommunicator, wait_until
 from ladder.comm.links import LinkModel, get_link
 from ladder.bench.summary import failures, format_summary, layout_label, read_results, summarise
 
-from helpers import ladder_cli, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
+from helpers import ladder_cli, ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
 REQUIRED = {"layout", "preset", "model", "tp", "batch_size", "prompt_len", "gen_len", "interconnect", "emulated",
             "env", "prefill_s", "decode_s", "tokens_per_s", "decode_token_latency_ms", "peak_memory_bytes",
@@ -71,7 +71,7 @@ def test_results_file_is_well_formed(sweep):
     assert "speedup" in stdout and "(emulated)" in stdout
 
 
-def test_summary_speedups_and_hidden_fraction(sweep):
+def test_summary_speedups_and_hidden_fraction(sweep, capsys):
     rows = summarise(read_results(sweep[0]))
     ladder = [r for r in rows if r["layout"] == "ladder" and r["tp"] == 2]
     assert len(ladder) == 2 and all(r["speedup"] is not None for r in ladder)
@@ -80,12 +80,12 @@ def test_summary_speedups_and_hidden_fraction(sweep):
     assert all(r["hidden"] is not None for r in ladder if r["emulated"])
     assert all(r["speedup"] == 1.0 for r in rows if r["layout"] == "standard")
     # The command pools the files it is given (here one file twice: the same runs, the same table).
-    once, twice = (ladder_cli("bench", "summary", *[str(sweep[0])] * n) for n in (1, 2))
+    once, twice = (ladder_in_process(capsys, "bench", "summary", *[str(sweep[0])] * n) for n in (1, 2))
     assert once.returncode == twice.returncode == 0 and once.stdout == twice.stdout and "95% CI" in once.stdout
-    as_json = ladder_cli("bench", "summary", "--json", str(sweep[0]))
+    as_json = ladder_in_process(capsys, "bench", "summary", "--json", str(sweep[0]))
     assert as_json.returncode == 0 and [json.loads(line) for line in as_json.stdout.splitlines()] == \
         json.loads(json.dumps(rows))  # the rows themselves, one object each (tuples read back as lists)
-    missing = ladder_cli("bench", "summary", str(sweep[0]), str(sweep[0].with_name("none.jsonl")))
+    missing = ladder_in_process(capsys, "bench", "summary", str(sweep[0]), str(sweep[0].with_name("none.jsonl")))
     assert missing.returncode == 2 and missing.stderr.strip().endswith("none.jsonl")
 
 
@@ -97,10 +97,10 @@ def test_summary_speedups_and_hidden_fraction(sweep):
     ('\n[1, 2]\n', "r.jsonl:2 is not a ladder bench record"),
     ('{"status": "ok"\n{}\n', "r.jsonl:1 is not a JSON line"),
 ])
-def test_a_file_that_is_not_a_results_file_is_refused_in_one_line(command, text, message, tmp_path):
+def test_a_file_that_is_not_a_results_file_is_refused_in_one_line(command, text, message, tmp_path, capsys):
     """A training run's metrics.jsonl given by mistake, say: one line naming the file, not a traceback."""
     (tmp_path / "r.jsonl").write_text(text)
-    out = ladder_cli("bench", command, str(tmp_path / "r.jsonl"))
+    out = ladder_in_process(capsys, "bench", command, str(tmp_path / "r.jsonl"))
     assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert message in out.stderr
 
@@ -291,8 +291,8 @@ def test_each_hybrid_is_drawn_in_a_colour_of_its_own():
     assert len(set(colors.values())) == 4
 
 
-def test_plot_files(sweep, tmp_path):
-    out = ladder_cli("bench", "plot", str(sweep[0]), "--out-dir", str(tmp_path))
+def test_plot_files(sweep, tmp_path, capsys):
+    out = ladder_in_process(capsys, "bench", "plot", str(sweep[0]), "--out-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
     for name in ("throughput.png", "speedup.png", "pareto.png"):
         data = (tmp_path / name).read_bytes()
@@ -303,7 +303,7 @@ def test_plot_files(sweep, tmp_path):
     halves[0].parent.mkdir()
     halves[0].write_text("".join(lines[:6]))
     halves[1].write_text("".join(lines[6:]))
-    split = ladder_cli("bench", "plot", *map(str, halves))
+    split = ladder_in_process(capsys, "bench", "plot", *map(str, halves))
     assert split.returncode == 0, split.stderr
     for name in ("throughput.png", "speedup.png", "pareto.png"):
         assert (halves[0].parent / name).read_bytes() == (tmp_path / name).read_bytes()
@@ -458,14 +458,14 @@ def test_a_hybrid_sweep_compares_ladder_on_the_last_layers_with_whole_baselines(
         assert rows[f"ladder[{n}]"]["hidden"] == pytest.approx((t_standard - t_hybrid) / (t_standard - t_upper))
 
 
-def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path):
+def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     result = ladder_cli("bench", "--preset", "tiny", "--layouts", "standard", "--tp", "1",
                         "--batch-sizes", "100000000", "--no-progress", "--out", str(out))
     assert result.returncode == 1
     assert "0 configurations measured, 1 failed" in result.stdout
     assert read_results(out)[0]["status"] == "failed"
-    summary = ladder_cli("bench", "summary", str(out))
+    summary = ladder_in_process(capsys, "bench", "summary", str(out))
     assert summary.returncode == 2
     assert summary.stderr.strip() == f"ladder: error: no configuration in {out} was measured"
     assert summary.stdout.startswith("failed: tiny real tp=1 batch 100000000 (standard): ") and "GiB" in summary.stdout
@@ -584,8 +584,8 @@ def test_resume_measures_only_what_is_missing_and_survives_a_cut_line(tmp_path, 
     (["--out", "/dev/null/r.jsonl"], "cannot write /dev/null/r.jsonl: /dev/null is a file, not a folder"),
     (["--out", "/proc/r.jsonl"], "cannot write results to /proc/r.jsonl"),  # a folder no one, root included, writes in
 ])
-def test_bad_input_is_one_line(args, message, tmp_path):
-    out = ladder_cli("bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",
+def test_bad_input_is_one_line(args, message, tmp_path, capsys):
+    out = ladder_in_process(capsys, "bench", "--no-progress", "--out", str(tmp_path / "r.jsonl"), "--gen-len", "2",
                      "--prompt-len", "4", "--runs", "1", *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
@@ -594,10 +594,10 @@ def test_bad_input_is_one_line(args, message, tmp_path):
 
 
 @pytest.mark.parametrize("resume", [[], ["--resume"]])
-def test_results_are_never_appended_to_a_file_that_is_not_bench_results(resume, tmp_path):
+def test_results_are_never_appended_to_a_file_that_is_not_bench_results(resume, tmp_path, capsys):
     metrics = tmp_path / "metrics.jsonl"  # a training run's, named by mistake
     metrics.write_text('{"step": 1, "tokens": 512, "loss": 9.1}\n')
-    out = ladder_cli("bench", "--no-progress", "--preset", "tiny", "--tp", "1", "--batch-sizes", "1",
+    out = ladder_in_process(capsys, "bench", "--no-progress", "--preset", "tiny", "--tp", "1", "--batch-sizes", "1",
                      "--layouts", "standard", "--runs", "1", "--out", str(metrics), *resume)
     assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert f"{metrics}:1 is not a ladder bench record" in out.stderr and "name another file" in out.stderr

@@ -295,66 +295,70 @@ def _one_line_error(result: subprocess.CompletedProcess, message: str) -> None:
     assert message in lines[0], lines[0]
 
 
-def _generate(model: str, *extra: str) -> subprocess.CompletedProcess:
-    return ladder_cli("generate", "--model", model, "--max-new-tokens", "2", *(extra or ("--prompt-ids", "1,2")))
+def _generate(capsys, model: str, *extra: str) -> subprocess.CompletedProcess:
+    return ladder_in_process(capsys, "generate", "--model", model, "--max-new-tokens", "2",
+                             *(extra or ("--prompt-ids", "1,2")))
 
 
-def test_missing_path():
-    _one_line_error(_generate("/no/such/model.gguf"), "no model file or folder at /no/such/model.gguf")
+def test_missing_path(capsys):
+    _one_line_error(_generate(capsys, "/no/such/model.gguf"), "no model file or folder at /no/such/model.gguf")
 
 
-def test_truncated_safetensors(tiny_hf, tmp_path):
+def test_truncated_safetensors(tiny_hf, tmp_path, capsys):
     _, single, _ = tiny_hf
     broken = tmp_path / "broken"
     shutil.copytree(single, broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
-    _one_line_error(_generate(str(broken)), "model.safetensors")
+    _one_line_error(_generate(capsys, str(broken)), "model.safetensors")
 
 
-def test_corrupted_gguf(tmp_path):
+def test_corrupted_gguf(tmp_path, capsys):
     head = resolve_model(SMOLLM).read_bytes()[:4096]
     (tmp_path / "cut.gguf").write_bytes(head)
-    _one_line_error(_generate(str(tmp_path / "cut.gguf")), "is not a readable GGUF file")
+    _one_line_error(_generate(capsys, str(tmp_path / "cut.gguf")), "is not a readable GGUF file")
     (tmp_path / "noise.gguf").write_bytes(os.urandom(4096))
-    _one_line_error(_generate(str(tmp_path / "noise.gguf")), "is not a readable GGUF file")
+    _one_line_error(_generate(capsys, str(tmp_path / "noise.gguf")), "is not a readable GGUF file")
 
 
-def test_config_disagrees_with_tensors(tiny_hf, tmp_path):
+def test_config_disagrees_with_tensors(tiny_hf, tmp_path, capsys):
     _, single, _ = tiny_hf
     broken = tmp_path / "shapes"
     shutil.copytree(single, broken)
     config = json.loads((broken / "config.json").read_text())
     config["intermediate_size"] = 192
     (broken / "config.json").write_text(json.dumps(config))
-    _one_line_error(_generate(str(broken)), "mlp.gate_proj.weight has shape (160, 64), the config implies (192, 64)")
+    _one_line_error(_generate(capsys, str(broken)),
+                    "mlp.gate_proj.weight has shape (160, 64), the config implies (192, 64)")
 
 
-def test_unsupported_architecture(tiny_hf, tmp_path):
+def test_unsupported_architecture(tiny_hf, tmp_path, capsys):
     _, single, _ = tiny_hf
     broken = tmp_path / "gpt2"
     shutil.copytree(single, broken)
     config = json.loads((broken / "config.json").read_text())
     config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (broken / "config.json").write_text(json.dumps(config))
-    _one_line_error(_generate(str(broken)), "'gpt2' / architectures ['GPT2LMHeadModel'] are not supported")
+    _one_line_error(_generate(capsys, str(broken)), "'gpt2' / architectures ['GPT2LMHeadModel'] are not supported")
 
 
-def test_unsupported_quantisation(tiny_hf, tmp_path):
+def test_unsupported_quantisation(tiny_hf, tmp_path, capsys):
     hf_model, _, _ = tiny_hf
     write_gguf(tmp_path / "iq.gguf", hf_model, "IQ4_NL")
-    _one_line_error(_generate(str(tmp_path / "iq.gguf")), "uses quantisation IQ4_NL, which ladder does not dequantise")
+    _one_line_error(_generate(capsys, str(tmp_path / "iq.gguf")),
+                    "uses quantisation IQ4_NL, which ladder does not dequantise")
 
 
-def test_tokenizer_missing(tiny_hf):
+def test_tokenizer_missing(tiny_hf, capsys):
     _, single, _ = tiny_hf
-    _one_line_error(_generate(str(single), "--chat", "hello"), "this model has no tokenizer")
+    _one_line_error(_generate(capsys, str(single), "--chat", "hello"), "this model has no tokenizer")
 
 
-def test_failed_conversion_leaves_nothing(tmp_path):
+def test_failed_conversion_leaves_nothing(tmp_path, capsys):
     (tmp_path / "cut.gguf").write_bytes(resolve_model(SMOLLM).read_bytes()[:4096])
     out = tmp_path / "out"
-    _one_line_error(ladder_cli("convert", str(tmp_path / "cut.gguf"), "--ladder-layers", "2", "--out", str(out)),
+    _one_line_error(ladder_in_process(capsys, "convert", str(tmp_path / "cut.gguf"), "--ladder-layers", "2",
+                                      "--out", str(out)),
                     "is not a readable GGUF file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
 

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from ladder.cli.main import build_parser, main
-from ladder.config import ModelConfig, get_preset
+from ladder.config import PRESETS, ModelConfig, get_preset
 from ladder.comm.distributed import communication_failure, init_distributed, shutdown_distributed
 from ladder.errors import LadderError
 from ladder.comm.launch import launch
 from ladder.train.settings import TrainConfig, load_train_config
 
-from helpers import (descendants, has_loaded_torch, ladder_lines, stop_when_ready, torchrun_ladder,
+from helpers import (descendants, has_loaded_torch, ladder_in_process, ladder_lines, stop_when_ready, torchrun_ladder,
                      torchrun_on_two_nodes)
 
 LADDER = [sys.executable, "-m", "ladder"]
@@ -85,14 +85,21 @@ def test_generate_batch_with_sampling():
     (["--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
     (["--top-k", "0"], "top_k must be >= 1, got 0"),
 ])
-def test_bad_input_is_one_line_and_nonzero(args, message):
+def test_bad_input_is_one_line_and_nonzero(args, message, capsys):
     if "--prompt-ids" not in args:
         args = [*args, "--prompt-ids", "1,2,3"]
-    out = run("generate", *args)
+    out = ladder_in_process(capsys, "generate", *args)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ladder: error: "), out.stderr
     assert message in lines[0]
+
+
+def test_the_installed_command_refuses_bad_input_in_one_line_with_status_2():
+    """The cases above run `main` in this process; this one goes through the interpreter and `python -m ladder`."""
+    out = run("generate", "--preset", "nope", "--prompt-ids", "1,2,3")
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr.strip() == "ladder: error: unknown preset 'nope'; known presets: " + ", ".join(PRESETS)
 
 
 def help_of(command: str, capsys: pytest.CaptureFixture) -> str:

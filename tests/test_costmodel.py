@@ -17,7 +17,7 @@ from ladder.predict.paper import UNSEEN_SETTINGS, fit_paper_links, paper_table
 from ladder.config import get_preset
 from ladder.comm.links import get_link
 
-from helpers import ladder_cli
+from helpers import ladder_cli, ladder_in_process
 
 
 def test_stored_constants_are_the_fit_of_the_training_split():
@@ -97,9 +97,9 @@ def test_layout_order_and_scaling():
     assert h200 > t["standard"]  # more HBM bandwidth, faster decode
 
 
-def test_predict_command_prints_the_table_of_the_api():
-    out = ladder_cli("predict", "--preset", "llama-3-70b", "--gpu", "h100", "--interconnect", "nvlink-h100,pcie-no-p2p",
-                     "--tp", "4,8", "--batch-sizes", "1,16", "--json")
+def test_predict_command_prints_the_table_of_the_api(capsys):
+    out = ladder_in_process(capsys, "predict", "--preset", "llama-3-70b", "--gpu", "h100", "--interconnect",
+                            "nvlink-h100,pcie-no-p2p", "--tp", "4,8", "--batch-sizes", "1,16", "--json")
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     layouts = ("standard", "parallel", "ladder", "upper-bound")
@@ -125,7 +125,7 @@ def test_predicted_hidden_fraction_is_the_papers_definition_on_ladder_rows_only(
         assert by[(b, "ladder")]["tokens_per_s_per_gpu"] == pytest.approx(by[(b, "ladder")]["tokens_per_s"] / 8)
 
 
-def test_hybrid_lies_between_standard_and_ladder_and_is_each_at_its_ends():
+def test_hybrid_lies_between_standard_and_ladder_and_is_each_at_its_ends(capsys):
     def ladder_row(n):
         rows = predict_table("llama-3-70b", GPUS["h100"], get_link("pcie-no-p2p"), 8, [1, 64],
                              ["standard", "ladder"], 1024, 512, ladder_layers=[n])
@@ -143,7 +143,8 @@ def test_hybrid_lies_between_standard_and_ladder_and_is_each_at_its_ends():
                             1024, 512, ladder_layers=[60, 20])
     assert [(r["layout"], r["ladder_layers"]) for r in several] == [("standard", None), ("ladder", 60), ("ladder", 20)]
     assert [r["speedup"] for r in several[1:]] == [ladder_row(60)[1]["speedup"], ladder_row(20)[1]["speedup"]]
-    out = ladder_cli("predict", "--interconnect", "pcie-no-p2p", "--batch-sizes", "1", "--ladder-layers", "40,80")
+    out = ladder_in_process(capsys, "predict", "--interconnect", "pcie-no-p2p", "--batch-sizes", "1",
+                            "--ladder-layers", "40,80")
     assert out.returncode == 0 and "ladder on the last N layers" in out.stdout
     assert "ladder[40]" in out.stdout and "ladder[80]" in out.stdout
 
@@ -159,8 +160,8 @@ def test_what_fits_in_memory_is_what_the_paper_could_run():
             assert r["fits"] == ((tp, r["batch_size"]) in published), (tp, r["batch_size"])
 
 
-def test_predict_marks_the_rows_that_do_not_fit():
-    out = ladder_cli("predict", "--preset", "llama-3-70b", "--tp", "1,8", "--batch-sizes", "1",
+def test_predict_marks_the_rows_that_do_not_fit(capsys):
+    out = ladder_in_process(capsys, "predict", "--preset", "llama-3-70b", "--tp", "1,8", "--batch-sizes", "1",
                      "--layouts", "standard,ladder")
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("nvlink-h100")]
@@ -178,8 +179,8 @@ def test_a_six_digit_batch_keeps_its_own_column():
     assert [line.split()[1:3] for line in lines] == [["tp", "batch"], ["8", "1"], ["8", "100000"]]
 
 
-def test_every_prediction_states_the_validated_accuracy():
-    out = ladder_cli("predict", "--preset", "llama-3-8b", "--interconnect", "nvlink-h100", "--tp", "8",
+def test_every_prediction_states_the_validated_accuracy(capsys):
+    out = ladder_in_process(capsys, "predict", "--preset", "llama-3-8b", "--interconnect", "nvlink-h100", "--tp", "8",
                      "--batch-sizes", "1")
     assert out.returncode == 0, out.stderr
     report = validate()
@@ -208,16 +209,16 @@ def test_a_custom_gpu_is_the_roofline_of_its_numbers():
     assert [r["fits"] for r in table(get_gpu("h100", memory_gib=24))] == [True, False]  # 20.0 and 30.4 GiB
 
 
-def test_predict_on_another_gpu_says_the_accuracy_is_the_h100s():
-    out = ladder_cli("predict", "--gpu", "custom", "--gpu-memory-tbps", "4", "--gpu-tflops", "148",
+def test_predict_on_another_gpu_says_the_accuracy_is_the_h100s(capsys):
+    out = ladder_in_process(capsys, "predict", "--gpu", "custom", "--gpu-memory-tbps", "4", "--gpu-tflops", "148",
                      "--gpu-memory-gib", "96", "--batch-sizes", "1", "--layouts", "standard,ladder")
     assert out.returncode == 0, out.stderr
     assert "llama-3-70b on custom (4 TB/s, 148 TFLOP/s, 96 GiB)" in out.stdout
     assert "all on H100s; on custom the H100's fitted efficiencies and overheads are assumed" in out.stdout
-    assert "all on H100s" not in ladder_cli("predict", "--batch-sizes", "1").stdout
+    assert "all on H100s" not in ladder_in_process(capsys, "predict", "--batch-sizes", "1").stdout
 
 
-def test_predict_reads_a_checkpoints_shape_from_its_config_json_alone(tmp_path):
+def test_predict_reads_a_checkpoints_shape_from_its_config_json_alone(tmp_path, capsys):
     """A user predicting a model too large to download needs only its config.json: the shape read from
     it predicts what the preset of that shape does, under the checkpoint's name."""
     from ladder.checkpoint.hf_config import config_to_hf
@@ -230,21 +231,21 @@ def test_predict_reads_a_checkpoints_shape_from_its_config_json_alone(tmp_path):
                                                    ["standard", "ladder"], 1024, 512, config=config)
     from_checkpoint = rows("Meta-Llama-3-70B", read_shape(str(folder / "config.json")))
     assert from_checkpoint == [{**r, "preset": "Meta-Llama-3-70B"} for r in rows("llama-3-70b")]
-    out = ladder_cli("predict", "--model", str(folder), "--tp", "8", "--batch-sizes", "1,64", "--layouts",
+    out = ladder_in_process(capsys, "predict", "--model", str(folder), "--tp", "8", "--batch-sizes", "1,64", "--layouts",
                      "standard,ladder", "--interconnect", "pcie-no-p2p", "--json")
     assert out.returncode == 0, out.stderr
     assert [json.loads(line) for line in out.stdout.splitlines()] == json.loads(json.dumps(from_checkpoint))
 
 
-def test_predict_of_a_checkpoint_that_is_not_a_llama_is_one_line(tmp_path):
+def test_predict_of_a_checkpoint_that_is_not_a_llama_is_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
-    out = ladder_cli("predict", "--model", str(tmp_path / "config.json"))
+    out = ladder_in_process(capsys, "predict", "--model", str(tmp_path / "config.json"))
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "model_type 'mistral'" in out.stderr and "not supported" in out.stderr
 
 
-def test_validate_json_is_the_report_of_the_api():
-    out = ladder_cli("predict", "--validate", "--json")
+def test_validate_json_is_the_report_of_the_api(capsys):
+    out = ladder_in_process(capsys, "predict", "--validate", "--json")
     assert out.returncode == 0, out.stderr
     printed = json.loads(out.stdout)
     assert printed["held_out"] == json.loads(json.dumps(validate()))
@@ -266,8 +267,8 @@ def test_validate_json_is_the_report_of_the_api():
     (["--ladder-layers", "20,20"], "--ladder-layers lists 20 twice"),
     (["--interconnect", "nvlink-h100", "--link-bandwidth-gbps", "0"], "--link-bandwidth-gbps must be > 0, got 0"),
 ])
-def test_predict_bad_input_is_one_line(args, message):
-    out = ladder_cli("predict", "--preset", "llama-3-70b", "--interconnect", "nvlink-h100", "--tp", "8", *args)
+def test_predict_bad_input_is_one_line(args, message, capsys):
+    out = ladder_in_process(capsys, "predict", "--preset", "llama-3-70b", "--interconnect", "nvlink-h100", "--tp", "8", *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert message in lines[0]

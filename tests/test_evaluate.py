@@ -11,7 +11,7 @@ from ladder.comm.base import LocalCommunicator
 from ladder.evaluate import perplexity, windows
 from ladder.weights import build_model, load_weights
 
-from helpers import CPU, ladder_cli, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
+from helpers import CPU, ladder_cli, ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
 
 @pytest.mark.parametrize("n_tokens,window,stride", [(2, 2, 1), (10, 4, 3), (10, 4, 1), (100, 16, 7), (17, 512, 512)])
@@ -45,10 +45,10 @@ def test_perplexity_is_the_exp_of_transformers_loss(tiny_hf):
     (["--max-tokens", "1"], "--max-tokens must be >= 2"),
     (["--text", "/no/such.txt"], "no text file at /no/such.txt"),
 ])
-def test_eval_bad_input_is_one_line(args, message, tmp_path):
+def test_eval_bad_input_is_one_line(args, message, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("hello world")
-    out = ladder_cli("eval", "--preset", "tiny", "--text", str(text), *args)
+    out = ladder_in_process(capsys, "eval", "--preset", "tiny", "--text", str(text), *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert message in lines[0]

@@ -8,7 +8,7 @@ from ladder.errors import LadderError
 from ladder.comm.links import LinkModel, fit_link
 from ladder.bench.linkbench import AllReduceTiming, fit_measured_link, format_size, parse_size
 
-from helpers import ladder_cli
+from helpers import ladder_cli, ladder_in_process
 
 
 @pytest.mark.parametrize("text,n_bytes", [("4096", 4096), ("4K", 4096), ("64k", 65536), ("16M", 16 * 2**20),
@@ -81,8 +81,8 @@ def test_bench_link_times_a_real_gloo_group_and_fits_it():
     (["--sizes", "4K,4Q"], "--sizes takes sizes such as 4096, 64K or 16M, got '4Q'"),
     (["--iters", "0"], "--iters must be >= 1 and --warmup >= 0, got 0 and 5"),
 ])
-def test_bench_link_bad_input_is_one_line(args, message):
-    out = ladder_cli("bench", "link", *args)
+def test_bench_link_bad_input_is_one_line(args, message, capsys):
+    out = ladder_in_process(capsys, "bench", "link", *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert message in lines[0]

@@ -24,7 +24,7 @@ from ladder.engine import Engine
 from ladder.errors import LadderError
 from ladder.weights import random_model
 
-from helpers import free_port, ladder_cli
+from helpers import free_port, ladder_cli, ladder_in_process
 
 openai = pytest.importorskip("openai")
 
@@ -264,10 +264,10 @@ def test_bench_serve_starts_its_own_server_and_plots_latency_against_load(tmp_pa
     (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's max_seq_len 128"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory 'lots': give a fraction of the free memory (0.2) or a size"),
 ])
-def test_bad_server_options_are_one_line_and_nonzero(args, message):
+def test_bad_server_options_are_one_line_and_nonzero(args, message, capsys):
     if args == ["--cuda-graph"] and torch.cuda.is_available():
         pytest.skip("the machine has CUDA")
-    out = ladder_cli("serve", "--preset", "tiny", *args, timeout=60)
+    out = ladder_in_process(capsys, "serve", "--preset", "tiny", *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
 
@@ -288,9 +288,9 @@ def test_a_131072_position_model_serves_from_a_kv_budget_and_metrics_show_it(tmp
     assert f"KV cache 4.0 MiB of a 4.0 MiB budget: 4 rows of {context} positions" in server.proc.stderr.read()
 
 
-def test_a_context_the_kv_budget_cannot_hold_is_refused_in_one_line_before_the_weights_load():
-    out = ladder_cli("serve", "--preset", "llama-160m", "--max-model-len", "2048", "--kv-cache-memory", "1MiB",
-                     timeout=120)
+def test_a_context_the_kv_budget_cannot_hold_is_refused_in_one_line_before_the_weights_load(capsys):
+    out = ladder_in_process(capsys, "serve", "--preset", "llama-160m", "--max-model-len", "2048",
+                            "--kv-cache-memory", "1MiB")
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         "ladder: error: the KV cache budget of 1.0 MiB (--kv-cache-memory) holds 14 positions at 73728 bytes each; one "
