@@ -1,6 +1,7 @@
 """The `ladder` command: real subprocesses, real worker processes, one-line errors."""
 
 import dataclasses
+import multiprocessing.spawn
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ from ladder.cli.main import build_parser, main
 from ladder.config import PRESETS, ModelConfig, get_preset
 from ladder.comm.distributed import communication_failure, init_distributed, shutdown_distributed
 from ladder.errors import LadderError
-from ladder.comm.launch import launch
+from ladder.comm.launch import launch, quiet_when_the_launcher_is_gone
 from ladder.train.settings import TrainConfig, load_train_config
 
 from helpers import (descendants, has_loaded_torch, ladder_in_process, ladder_lines, stop_when_ready, torchrun_ladder,
@@ -301,6 +302,21 @@ def test_a_signal_stops_the_sweep_and_its_workers_in_one_line(sig, status, messa
     assert stderr.strip().splitlines()[-1].startswith(message)
     time.sleep(1)
     assert not any(os.path.exists(f"/proc/{p}") and not _is_zombie(p) for p in workers)
+
+
+def test_a_worker_forked_after_its_launcher_stopped_exits_without_a_traceback(capsys):
+    """Ctrl-C while the fork server forks: the worker finds the launcher's pipe closed (or its semaphores
+    unlinked) as multiprocessing's start-up reads them. That says nothing; another error prints."""
+    read_end, write_end = os.pipe()
+    os.close(write_end)  # the launcher is gone
+    with pytest.raises(EOFError) as gone:
+        multiprocessing.spawn._main(read_end, None)
+    with pytest.raises(ValueError) as bug:
+        int("x")
+    for caught in (gone, bug):
+        quiet_when_the_launcher_is_gone(caught.type, caught.value, caught.tb)
+    said = capsys.readouterr().err
+    assert "EOFError" not in said and "ValueError: invalid literal" in said
 
 
 def _is_zombie(pid: int) -> bool:

@@ -16,9 +16,11 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
 import threading
 import traceback
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,6 +45,21 @@ FORK_SERVER_PRELOAD = ["ladder", "torch", "torch.distributed", "torch._dynamo", 
 # `_adopt_environment`).
 _ENVIRONMENT_AT_IMPORT = dict(os.environ)
 
+
+def quiet_when_the_launcher_is_gone(kind: type[BaseException], value: BaseException,
+                                    tb: types.TracebackType | None) -> None:
+    """`sys.excepthook` of the processes `launch` starts. A worker that the fork server forks after the
+    launching process was stopped (Ctrl-C while the workers start) finds the launcher's semaphores and
+    pipes gone while it unpickles its start-up data, in multiprocessing's `spawn._main`: it exits
+    silently (status 1), and the launching process alone reports the stop. Any other error prints."""
+    frames = [(frame.f_code.co_filename, frame.f_code.co_name) for frame, _ in traceback.walk_tb(tb)]
+    starting = any(name == "_main" and Path(file).match("multiprocessing/spawn.py") for file, name in frames)
+    if not (starting and issubclass(kind, (FileNotFoundError, EOFError, ConnectionError))):
+        sys.__excepthook__(kind, value, tb)
+
+
+if os.environ.get(WORKER_ENV) == "1":  # (the fork server imports this module before it forks a worker)
+    sys.excepthook = quiet_when_the_launcher_is_gone
 
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or any launcher that sets its environment)."""
