@@ -6,10 +6,14 @@ import pytest
 import torch
 
 from ladder.config import CPU_DTYPE_VARIABLE
+from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE
 
 # Tests compare ladder with transformers and with itself in float32, whatever this CPU computes in: every
 # command the suite starts, in this process or another, defaults to it.
 os.environ[CPU_DTYPE_VARIABLE] = "float32"
+# A compiled CPU step builds and times inductor's C++ GEMM templates for each shape (tens of seconds): the
+# tests of compiled steps check tokens and overlap with inductor's defaults, and test_engine's with the templates.
+os.environ[CPU_GEMM_TEMPLATES_VARIABLE] = "0"
 
 
 @pytest.fixture(scope="session")

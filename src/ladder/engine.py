@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -235,15 +237,39 @@ def powers_of_two_up_to(least: int, most: int) -> list[int]:
     return [n for n in sizes if n < most] + [most]
 
 
+# A compiled CPU step freezes the weights (constants of the graph) so that inductor can pick its C++ GEMM
+# templates: weights repacked once into blocks, the int8 dequantization and scale fused into the GEMM.
+# SmolLM2 at batch 1 on an AVX2 CPU (docs/quantization.md): int8 bf16 twice as fast as torch's
+# `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. The compile takes longer (each GEMM
+# shape's template and ATen kernel are built and timed): LADDER_CPU_GEMM_TEMPLATES=0 keeps inductor's defaults.
+# (inductor reads `freezing` outside a compile's options: `_with_frozen_weights` sets it.)
+CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+CPU_GEMM_TEMPLATES_VARIABLE = "LADDER_CPU_GEMM_TEMPLATES"
+
 def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
     """`step` as one torch.compile graph (collectives, real or emulated, trace into it), as in the paper,
     with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each all-reduce
     launch down to its wait, and the overlap with it. Each wait is a custom op that writes its result:
     `keep_mutation_renames` keeps inductor's CPU fusion from reading that result before the wait."""
-    options = {"triton.cudagraphs": device.type == "cuda", "reorder_for_locality": False}
+    templates = device.type == "cpu" and os.environ.get(CPU_GEMM_TEMPLATES_VARIABLE, "1") != "0"
+    options = {"triton.cudagraphs": device.type == "cuda", "reorder_for_locality": False,
+               **(CPU_GEMM_TEMPLATES if templates else {})}
     trace_emulated_launches()
     keep_mutation_renames()
-    return torch.compile(step, fullgraph=True, options=options)
+    compiled = torch.compile(step, fullgraph=True, options=options)
+    return _with_frozen_weights(compiled) if templates else compiled
+
+
+def _with_frozen_weights(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`compiled`, compiling (at its first call, and at each recompile) with the weights frozen: an engine
+    serves fixed weights, and the prefill, eager, reads the model's own."""
+    import torch._inductor.config as inductor_config
+
+    @functools.wraps(compiled)
+    def step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with inductor_config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+    return step
 
 
 class CudaGraphStep:
