@@ -59,7 +59,7 @@ QUALITY = [("float32", None), ("float32", "int8"), ("bfloat16", None), ("bfloat1
 LAYOUTS = {"standard": dict(layout="standard"), "hybrid-8": dict(ladder_layers=8), "ladder": dict(layout="ladder")}
 EVAL_TOKENS, WINDOW = 2048, 512
 SPEED_CONFIGS = [  # (dtype, quantize, decode step)
-    ("float32", None, DecodeStep.EAGER), ("bfloat16", None, DecodeStep.EAGER),
+    ("float32", None, DecodeStep.EAGER), ("float32", None, DecodeStep.COMPILED), ("bfloat16", None, DecodeStep.EAGER),
     ("bfloat16", None, DecodeStep.COMPILED), ("float32", "int8", DecodeStep.EAGER),
     ("bfloat16", "int8", DecodeStep.EAGER), ("bfloat16", "int8", DecodeStep.COMPILED),
     ("bfloat16", "int4", DecodeStep.EAGER), ("bfloat16", "int4", DecodeStep.COMPILED),
