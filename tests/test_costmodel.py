@@ -17,7 +17,7 @@ from ladder.predict.paper import UNSEEN_SETTINGS, fit_paper_links, paper_table
 from ladder.config import get_preset
 from ladder.comm.links import get_link
 
-from helpers import ladder_cli, ladder_in_process
+from helpers import ladder_in_process
 
 
 def test_stored_constants_are_the_fit_of_the_training_split():

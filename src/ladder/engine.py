@@ -246,6 +246,7 @@ def powers_of_two_up_to(least: int, most: int) -> list[int]:
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 CPU_GEMM_TEMPLATES_VARIABLE = "LADDER_CPU_GEMM_TEMPLATES"
 
+
 def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
     """`step` as one torch.compile graph (collectives, real or emulated, trace into it), as in the paper,
     with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each all-reduce

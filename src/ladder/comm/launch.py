@@ -61,6 +61,7 @@ def quiet_when_the_launcher_is_gone(kind: type[BaseException], value: BaseExcept
 if os.environ.get(WORKER_ENV) == "1":  # (the fork server imports this module before it forks a worker)
     sys.excepthook = quiet_when_the_launcher_is_gone
 
+
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or any launcher that sets its environment)."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
