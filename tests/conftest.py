@@ -14,6 +14,14 @@ os.environ[CPU_DTYPE_VARIABLE] = "float32"
 # A compiled CPU step builds and times inductor's C++ GEMM templates for each shape (tens of seconds): the
 # tests of compiled steps check tokens and overlap with inductor's defaults, and test_engine's with the templates.
 os.environ[CPU_GEMM_TEMPLATES_VARIABLE] = "0"
+# Several test files at a time (scripts/test.sh) share the cores: each worker, and every process it starts,
+# takes its share of threads. With more threads than cores, OpenMP's threads spin on cores that another
+# process needs: two processes decoding the tiny preset on two cores took 26-28 ms a token with two
+# threads each, 4.7-5.1 ms with one (alone, 5.1 ms).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

@@ -139,6 +139,21 @@ def test_vllms_server_refuses_a_desync_folder_in_one_line_without_a_traceback(sm
 
 
 @pytest.fixture(scope="module")
+def at_tp3(smollm2):
+    """SmolLM2's standard and fully ladder folders on three ranks (9 heads and 3 KV heads: TP 3 is the
+    degree above 1 that divides them), one after the other in one process; the hybrid one is served at
+    TP 3 below."""
+    folders, prompt, expected = smollm2
+    return run_vllm([folders["standard"], folders["ladder"]], 3, prompt), expected
+
+
+@pytest.mark.parametrize("name", ["standard", "ladder"])
+def test_vllm_greedy_tokens_are_ladders_at_tp3(at_tp3, name):
+    results, expected = at_tp3
+    assert same_answer(results[name], expected[name]), (results[name], expected[name])
+
+
+@pytest.fixture(scope="module")
 def tiny_tp2(tmp_path_factory):
     """Two ranks, compiled by vLLM (inductor): a tiny 6-layer ladder model at TP 2, profiled on every rank;
     then a tiny 10-layer hybrid (ladder on the last 8) in two pipeline stages of 5 layers."""
@@ -190,7 +205,7 @@ def test_vllms_openai_server_at_tp3_answers_a_chat_and_a_prompt_as_ladder_does(s
     ones), asked with the official `openai` client: the folder's chat template and the plugin's model answer
     a chat as ladder's engine answers it, and a completion of the prompt's ids has ladder's greedy tokens,
     their log-probabilities within 1e-3. One server for both (three ranks' start-up costs the suite about a
-    minute on two cores; the fully ladder folder at TP 3 stays out for that). Eager, as the runner's
+    minute on two cores; the other two folders run at TP 3 in one process above). Eager, as the runner's
     engines: vLLM's CPU compile costs 12 s. `experiments/vllm_serving.py` serves at TP 4."""
     openai = pytest.importorskip("openai")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # one NUMA node: no rank-per-node binding

@@ -60,9 +60,9 @@ def run(folder: str, settings: dict) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=settings["max_tokens"], ignore_eos=True, logprobs=0)
     prompt_ids = settings["prompt_ids"]
     prompt = TokensPrompt(prompt_token_ids=prompt_ids[folder] if isinstance(prompt_ids, dict) else prompt_ids)
-    llm.generate([prompt], greedy, use_tqdm=False)  # warm-up (and a compiled graph's first run)
     traces = None
     if settings.get("profile_dir"):
+        llm.generate([prompt], greedy, use_tqdm=False)  # warm-up: the trace is of a steady step
         llm.collective_rpc(start_profile)
     (out,) = llm.generate([prompt], greedy, use_tqdm=False)
     if settings.get("profile_dir"):
@@ -82,6 +82,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the functions above
     # the engine in this process (at TP 1 its worker too): one process fewer to start, each importing vLLM
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM waits 5 s for its workers to exit by themselves, which they do not here, then stops them
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
     if settings["tp"] > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # one NUMA node: no rank-per-node binding
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # more ranks than cores: one thread each
