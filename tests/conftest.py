@@ -23,6 +23,18 @@ if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# The files that take longest run first (scripts/test.sh runs files in this order, one file a worker):
+# started last, test_vllm.py's ten minutes ran alone on one worker while the other stood idle.
+LONGEST_FIRST = ("test_vllm.py", "test_bench.py", "test_cli.py", "test_serve.py", "test_train.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
