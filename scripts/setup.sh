@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Create .venv and install ladder with everything its tests use. Idempotent and offline-friendly.
-# torch==2.13.0 goes first, through pip: on these machines it is the CPU build from a local file that pip's
-# configuration finds, whereas an unpinned torch would pull several GB of CUDA packages. (The code also
-# runs on torch 2.11.) The rest goes through uv, which installs vLLM's hundred-odd packages in seconds
-# where pip takes minutes; the torch installed here satisfies their pins, so uv leaves it as it is.
+# uv installs, where pip takes minutes for vLLM's hundred-odd packages. torch==2.13.0 goes first: on these
+# machines pip's configuration finds its CPU build in a local folder (find-links), which uv does not read,
+# so uv is handed that folder; elsewhere pip installs torch as configured. An unpinned torch would pull
+# several GB of CUDA packages; the torch installed first satisfies vLLM's pin, so uv leaves it as it is.
+# (The code also runs on torch 2.11.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
-.venv/bin/python -c "import uv" 2>/dev/null || "${pip[@]}" "uv>=0.9,<1"
 uv=(.venv/bin/python -m uv pip install -q --python .venv/bin/python)
+.venv/bin/python -c "import uv" 2>/dev/null || "${pip[@]}" "uv>=0.9,<1"
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  wheels=$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)
+  if [ -n "$wheels" ] && [ -d "$wheels" ]; then "${uv[@]}" --find-links "$wheels" "torch==2.13.0"
+  else "${pip[@]}" "torch==2.13.0"; fi
+fi
 # vLLM's CPU wheel asks for torchvision, torchaudio and torchcodec builds that fail to load against this
 # torch (transformers then cannot import its model classes); neither ladder nor vLLM's text models use them.
 "${uv[@]}" --excludes scripts/excluded-packages.txt -e ".[test,vllm]"

@@ -88,13 +88,20 @@ TINY_PROMPT = [72, 101, 108, 108, 111]
 
 
 @pytest.fixture(scope="module")
-def at_tp1(smollm2, tmp_path_factory):
-    """SmolLM2's two folders, a tiny parallel-layout model (a checkpoint trained with two norms a layer
+def desync(smollm2, tmp_path_factory) -> Path:
+    """The hybrid SmolLM2 folder turned desync: a layout the plugin refuses."""
+    folders, _, _ = smollm2
+    loaded = ModelSpec(model=str(folders["hybrid-8"]), layout="desync", dtype="float32").load(LocalCommunicator(), CPU)
+    return save_hf(tmp_path_factory.mktemp("desync") / "desync", loaded.model.config,
+                   export_hf_state_dict(loaded.model), loaded.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def at_tp1(smollm2, desync, tmp_path_factory):
+    """SmolLM2's three folders, a tiny parallel-layout model (a checkpoint trained with two norms a layer
     cannot become parallel) and a desync folder, in one process."""
     folders, prompt, expected = smollm2
     root = tmp_path_factory.mktemp("tp1")
-    loaded = ModelSpec(model=str(folders["hybrid-8"]), layout="desync", dtype="float32").load(LocalCommunicator(), CPU)
-    desync = save_hf(root / "desync", loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
     parallel = tiny_folder(root, "parallel")
     prompts = {**{folder: prompt for folder in folders.values()}, desync: prompt, parallel: TINY_PROMPT}
     expected = {**expected, parallel.name: ladder_greedy_logprobs(parallel, TINY_PROMPT)}
@@ -126,11 +133,8 @@ def test_a_desync_folder_is_refused_in_one_line(at_tp1):
     assert "\n" not in error
 
 
-def test_vllms_server_refuses_a_desync_folder_in_one_line_without_a_traceback(smollm2, tmp_path):
-    folders, _, _ = smollm2
-    loaded = ModelSpec(model=str(folders["hybrid-8"]), layout="desync", dtype="float32").load(LocalCommunicator(), CPU)
-    folder = save_hf(tmp_path / "desync", loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer)
-    done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+def test_vllms_server_refuses_a_desync_folder_in_one_line_without_a_traceback(desync):
+    done = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(desync),
                            "--port", str(free_port())], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
