@@ -4,13 +4,14 @@
 # machines pip's configuration finds its CPU build in a local folder (find-links), which uv does not read,
 # so uv is handed that folder; elsewhere pip installs torch as configured. An unpinned torch would pull
 # several GB of CUDA packages; the torch installed first satisfies vLLM's pin, so uv leaves it as it is.
-# (The code also runs on torch 2.11.)
+# (The code also runs on torch 2.11.) --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set
+# (as on these machines), every process the tests start would otherwise compile torch and vLLM from source.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-uv=(.venv/bin/python -m uv pip install -q --python .venv/bin/python)
+uv=(.venv/bin/python -m uv pip install -q --compile-bytecode --python .venv/bin/python)
 .venv/bin/python -c "import uv" 2>/dev/null || "${pip[@]}" "uv>=0.9,<1"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   wheels=$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)
