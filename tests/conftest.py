@@ -20,8 +20,9 @@ os.environ[CPU_GEMM_TEMPLATES_VARIABLE] = "0"
 # threads each, 4.7-5.1 ms with one (alone, 5.1 ms).
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)  # for the processes the tests start
+    torch.set_num_threads(_threads)  # for this one, whose torch is already imported
 
 # The files that take longest run first (scripts/test.sh runs files in this order, one file a worker):
 # started last, test_vllm.py's ten minutes ran alone on one worker while the other stood idle.
