@@ -257,8 +257,21 @@ def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Cal
                **(CPU_GEMM_TEMPLATES if templates else {})}
     trace_emulated_launches()
     keep_mutation_renames()
-    compiled = torch.compile(step, fullgraph=True, options=options)
+    # Entries of its own: torch.compile shares entries among every compile of one function, and the
+    # guards check weights' shapes, not which tensors they are, so a second model of the same shapes
+    # would run the first one's frozen weights.
+    compiled = torch.compile(step, fullgraph=True, options={**options, "guard_filter_fn": guards_off_the_model},
+                             isolate_recompiles=True)
     return _with_frozen_weights(compiled) if templates else compiled
+
+
+def guards_off_the_model(guards: list[Any]) -> list[bool]:
+    """Which of a compiled step's guards to keep: all but those on the model, whose weights, modules and
+    settings stay as they are for an engine's life (its compiled step is its own: `isolate_recompiles`),
+    except its buffers' shapes (`setup_caches` makes new KV caches). Checking SmolLM2's 6,000 guards
+    took 1.8 ms of a 16 ms int8 step on this CPU."""
+    return [not guard.orig_guard.source.is_unspecialized_nn_module()
+            or (guard.guard_type == "TENSOR_MATCH" and "._buffers[" in guard.name) for guard in guards]
 
 
 def _with_frozen_weights(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -268,7 +281,7 @@ def _with_frozen_weights(compiled: Callable[..., torch.Tensor]) -> Callable[...,
 
     @functools.wraps(compiled)
     def step(*args: Any, **kwargs: Any) -> torch.Tensor:
-        with inductor_config.patch(freezing=True):
+        with inductor_config.patch(freezing=True, fx_graph_cache=False):
             return compiled(*args, **kwargs)
     return step
 
