@@ -84,11 +84,39 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     on a CPU without bf16 arithmetic: AVX2 emulates bf16, and SmolLM2's decode attention ran 2.5x slower
     in it than upcast (the KV cache stays in the model's dtype)."""
     dtype = q.dtype
+    if compiles_cpu_decode_attention(q, k, mask):
+        return decode_attention(q, k, v, mask).to(dtype)
     if q.device.type == "cpu":
         q, k, v = (t.to(cpu_compute_dtype(dtype)) for t in (q, k, v))
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).to(dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).to(dtype)
+
+
+# Up to this many cached positions, a compiled CPU decode step attends through `decode_attention`: 30
+# attentions of SmolLM2's shape in one graph took 1.9 ms against ATen's flash kernel's 5.7 at 256 positions,
+# 15 against 25 at 2048, and as long at 4096 (experiments/investigations/decode_attention.py).
+DECODE_ATTENTION_MAX_POSITIONS = 4096
+
+
+def compiles_cpu_decode_attention(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether this attention is one query a row (a decode step), on CPU, inside a torch.compile."""
+    return (q.device.type == "cpu" and q.shape[2] == 1 and mask is not None
+            and k.shape[2] <= DECODE_ATTENTION_MAX_POSITIONS and torch.compiler.is_compiling())
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one query a row, q (B, H, 1, hd), over the cache k, v (B, n_kv, S, hd), in float32, as
+    products and sums that inductor compiles into one loop nest: ATen's flash kernel costs more to enter
+    (its blocks, an upcast copy of the whole cache) than a decode step's attention costs to compute. The
+    query heads of a KV head broadcast against it (grouped-query attention)."""
+    B, H, _, hd = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    grouped = q.float().view(B, n_kv, H // n_kv, 1, hd)
+    scores = (grouped * k.float().unsqueeze(2)).sum(-1) * hd ** -0.5  # (B, n_kv, H / n_kv, S)
+    scores = scores.masked_fill(~mask.view(B, 1, 1, S), float("-inf"))
+    out = (scores.softmax(-1).unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2)  # (B, n_kv, H / n_kv, hd)
+    return out.view(B, H, 1, hd)
 
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -280,6 +308,9 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch, self.shard.n_kv_heads, max_seq,
                                                self.config.head_dim, weight.dtype, weight.device)
+        cos, sin = self.rope(torch.arange(max_seq, device=weight.device)[None], torch.float32)
+        self.register_buffer("rope_cos", cos[0, 0], persistent=False)  # (max_seq, hd): `cached_rope`
+        self.register_buffer("rope_sin", sin[0, 0], persistent=False)
         self.max_batch, self.max_seq = max_batch, max_seq
 
     def compile_layers(self) -> None:
@@ -305,6 +336,12 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def cached_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope` of cache positions (B, T), gathered from the tables `setup_caches` built. Compiled, a
+        decode step then reads cos and sin where inductor inlined their computation into every loop that
+        uses them: each attention's loop over the cache computed them once per cached key."""
+        return self.rope_cos[positions][:, None].to(dtype), self.rope_sin[positions][:, None].to(dtype)
+
     # ---- forward ---------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
@@ -318,12 +355,13 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         r = self.tok_embeddings(tokens)  # (B, T, dim)
         positions = (input_pos if input_pos is not None else torch.arange(T, device=tokens.device)).expand(B, T)
-        rope = self.rope(positions, r.dtype)
-        mask = None
-        if input_pos is not None:
+        if input_pos is None:
+            rope, mask = self.rope(positions, r.dtype), None
+        else:
             if self.max_seq == 0:
                 raise RuntimeError("call setup_caches() before a forward with input_pos")
             input_pos = positions
+            rope = self.cached_rope(positions, r.dtype)
             key_pos = torch.arange(kv_len or self.max_seq, device=tokens.device)
             mask = (key_pos <= positions[..., None])[:, None]  # (B, 1, T, S): a query sees keys up to its position
 
