@@ -80,6 +80,19 @@ def test_an_int8_head_quantized_in_row_chunks_is_torchaos_whole_table():
     assert torch.equal(torch.nn.functional.linear(x, chunked), head(x))
 
 
+def test_a_cpu_int4_weight_quantized_in_row_chunks_is_torchaos_whole_weight():
+    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+
+    ao = quantize_module._torchao()
+    linear = torch.nn.Linear(64, 160, bias=False).to(torch.bfloat16)
+    chunked = quantize_module.int4_in_row_chunks(ao, linear.weight, rows=96)  # the last chunk short
+    ao.quantize_(linear, PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False))
+    assert torch.equal(chunked.qdata, linear.weight.qdata)
+    assert torch.equal(chunked.scale_and_zero, linear.weight.scale_and_zero)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(torch.nn.functional.linear(x, chunked), linear(x))
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_load_never_holds_the_unquantized_shard(tmp_path, mode):
     """Each block is quantized as soon as it is filled: loading peaks near the quantized model's bytes plus

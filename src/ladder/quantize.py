@@ -11,8 +11,9 @@ quantized copy; the embedding only gathers rows).
   by under 0.7 % while a compiled batch-1 step went from 21.3 to 19.6 ms (docs/quantization.md). int4
   keeps the head unquantized: there it cost 7-15 % of perplexity.
 - int4: groups of `INT4_GROUP` input columns, asymmetric, on torch's tinygemm kernels: the CPU one
-  (`PrototypeInt4WeightOnlyConfig`, `_weight_int4pack_mm_for_cpu`) and the CUDA one (`Int4WeightOnlyConfig`
-  in the tile-packed layout, bf16 only). Group 32 is llama.cpp's Q4 block, and divides every shard width
+  (torchao's `Int4OpaqueTensor`, which `PrototypeInt4WeightOnlyConfig` makes, built here a chunk of rows at
+  a time; `_weight_int4pack_mm_for_cpu`) and the CUDA one (`Int4WeightOnlyConfig` in the tile-packed layout,
+  bf16 only). Group 32 is llama.cpp's Q4 block, and divides every shard width
   of the checkpoints ladder is used with (SmolLM2 at TP 1 to 3, Llama-3 8B and 70B at TP 1 to 8).
 """
 
@@ -32,7 +33,10 @@ from ladder.model import Transformer
 
 QUANTIZE_MODES = ("int8", "int4")
 INT4_GROUP = 32
-HEAD_CHUNK_ROWS = 1024  # an int8 head is quantized this many vocabulary rows at a time (float32 temporaries of 2.4 MB for SmolLM2)
+# Quantized this many rows at a time: an int8 head (float32 temporaries of 2.4 MB for SmolLM2), a CPU int4
+# linear (int32 ones of 2.4 MB for SmolLM2's gate/up, 7.1 MB whole).
+CHUNK_ROWS = 1024
+INT4_CPU_PACKED_ROWS = 32  # `_convert_weight_to_int4pack_for_cpu` interleaves rows in blocks of this many
 INSTALL_HINT = 'pip install "ladder[quantize]"  (torchao)'
 
 
@@ -89,10 +93,15 @@ def quantize_layers(module: nn.Module, mode: str) -> None:
     with torch.no_grad():
         if quantizes_head(mode) and isinstance(head, nn.Linear) and not is_quantized(head):
             head.weight = nn.Parameter(int8_in_row_chunks(ao, head.weight), requires_grad=False)
-        ao.quantize_(module, _config(ao, mode, device_type), filter_fn=_is_unquantized_block_linear)
+        if mode == "int4" and device_type == "cpu":
+            for name, linear in module.named_modules():
+                if _is_unquantized_block_linear(linear, name):
+                    linear.weight = nn.Parameter(int4_in_row_chunks(ao, linear.weight), requires_grad=False)
+        else:
+            ao.quantize_(module, _config(ao, mode), filter_fn=_is_unquantized_block_linear)
 
 
-def int8_in_row_chunks(ao: Any, weight: torch.Tensor, rows: int = HEAD_CHUNK_ROWS) -> torch.Tensor:
+def int8_in_row_chunks(ao: Any, weight: torch.Tensor, rows: int = CHUNK_ROWS) -> torch.Tensor:
     """torchao's per-row int8 of `weight`, `rows` rows at a time: the same tensor as quantizing it whole
     (each row has its own scale), without float32 temporaries of the whole table. For a head, those
     were twice its size: a quantized SmolLM2 peaked at 2x its final bytes while loading."""
@@ -106,6 +115,21 @@ def int8_in_row_chunks(ao: Any, weight: torch.Tensor, rows: int = HEAD_CHUNK_ROW
         block_size = part.block_size
     return ao.Int8Tensor(qdata, torch.cat(scales), block_size, weight.dtype,
                          zero_point=None if zero_points[0] is None else torch.cat(zero_points))
+
+
+def int4_in_row_chunks(ao: Any, weight: torch.Tensor, rows: int = CHUNK_ROWS) -> torch.Tensor:
+    """torchao's CPU int4 of `weight` (`PrototypeInt4WeightOnlyConfig`'s tensor), `rows` rows at a time:
+    the same tensor as quantizing it whole (groups run along a row, the kernel packs rows in blocks of
+    INT4_CPU_PACKED_ROWS, and the scales' row axis concatenates), without its int32 and bf16 temporaries
+    of the whole weight, which set a quantized SmolLM2's peak while loading (1.08 of `ladder.memory`'s
+    estimate)."""
+    if rows % INT4_CPU_PACKED_ROWS:
+        raise ValueError(f"int4 chunks of {rows} rows would split the kernel's blocks of {INT4_CPU_PACKED_ROWS}")
+    parts = [ao.Int4OpaqueTensor.from_hp(weight[i:i + rows].detach(), [1, INT4_GROUP])
+             for i in range(0, weight.shape[0], rows)]
+    return ao.Int4OpaqueTensor(qdata=torch.cat([p.qdata for p in parts]),
+                               scale_and_zero=torch.cat([p.scale_and_zero for p in parts], dim=1),
+                               block_size=[1, INT4_GROUP], shape=weight.shape, act_pre_scale=None)
 
 
 def is_quantized(linear: nn.Module) -> bool:
@@ -156,12 +180,11 @@ def _check_groups(model: Transformer) -> None:
                               f"{linear.in_features} on this rank (tp={model.comm.world_size})")
 
 
-def _config(ao: Any, mode: str, device_type: str) -> Any:
+def _config(ao: Any, mode: str) -> Any:
+    """`quantize_`'s configuration (CPU int4 does not go through it: `int4_in_row_chunks`)."""
     if mode == "int8":
         return ao.Int8WeightOnlyConfig()
-    if device_type == "cuda":
-        return ao.Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
-    return ao.PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP, set_inductor_config=False)
+    return ao.Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
 
 
 @functools.cache
@@ -180,7 +203,7 @@ class _Torchao:
 
     def __init__(self) -> None:
         with _quiet_import():
-            from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+            from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
             from torchao.quantization import Int4WeightOnlyConfig, Int8Tensor, Int8WeightOnlyConfig, PerRow, quantize_
         self.quantize_ = quantize_
         self.Int8Tensor, self.PerRow = Int8Tensor, PerRow
@@ -189,7 +212,7 @@ class _Torchao:
         warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
         self.Int8WeightOnlyConfig = Int8WeightOnlyConfig
         self.Int4WeightOnlyConfig = Int4WeightOnlyConfig
-        self.PrototypeInt4WeightOnlyConfig = PrototypeInt4WeightOnlyConfig
+        self.Int4OpaqueTensor = Int4OpaqueTensor
 
 
 @functools.cache

@@ -169,13 +169,7 @@ def load_weights(model: Transformer, source: TensorSource,
             missing = [hf for hf, _ in parts if hf not in available]
             if missing:
                 raise LadderError(f"checkpoint has no tensor {missing[0]!r}")
-            tensor = _assemble(source, parts)
-            param = model.get_parameter(name)
-            if tensor.shape != param.shape:
-                raise LadderError(f"tensor for {name} has shape {tuple(tensor.shape)}, the config implies "
-                                  f"{tuple(param.shape)} (config and checkpoint disagree)")
-            with torch.no_grad():
-                param.copy_(tensor)
+            _copy_pieces(source, parts, model.get_parameter(name), name)
         if index is not None and after_block is not None:
             after_block(model.layers[index])
 
@@ -273,6 +267,23 @@ def rank_parameters(config: ModelConfig, hf: dict[str, torch.Tensor], rank: int,
     source = DictSource(hf)
     return {name: _assemble(source, parts) for name, parts in shard_plan(config, ShardShape.of(config, rank, tp), rank)
             if name.startswith(prefix) and parts[0][0] in hf}
+
+
+@torch.no_grad()
+def _copy_pieces(source: TensorSource, parts: list[tuple[str, Slice]], param: torch.Tensor, name: str) -> None:
+    """Copy a parameter's Hugging Face pieces (fused QKV and gate/up have several) into its rows one at a
+    time: concatenated first, in float32, they were the largest tensor of a quantized load."""
+    start = 0
+    for hf, index in parts:
+        piece = source.get(hf, index)
+        if piece.shape[1:] != param.shape[1:] or start + piece.shape[0] > param.shape[0]:
+            raise LadderError(f"tensor {hf} for {name} has shape {tuple(piece.shape)}, which does not fit "
+                              f"{tuple(param.shape)} from row {start} (config and checkpoint disagree)")
+        param[start:start + piece.shape[0]].copy_(piece)
+        start += piece.shape[0]
+    if start != param.shape[0]:
+        raise LadderError(f"the tensors for {name} have {start} rows, the config implies {param.shape[0]} "
+                          "(config and checkpoint disagree)")
 
 
 def _assemble(source: TensorSource, parts: list[tuple[str, Slice]]) -> torch.Tensor:
