@@ -20,7 +20,7 @@ MEMORY_USABLE = 0.9  # of a device's memory; the rest is the allocator's, CUDA's
 def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: int, seq: int, dtype_bytes: int,
                           models: int = 1, weight_sets: int = 1, quantize: str | None = None) -> int:
     """One rank's weights (shared by the `models` models: one set, unless `weight_sets` says otherwise),
-    the KV cache of each model, and the largest activation (one model runs at a time: the prefill's),
+    the KV cache and rope tables of each model, and the largest activation (one model runs at a time: the prefill's),
     in bytes, for rank 0 (which holds the most heads when they do not divide evenly). tests/test_bench.py
     holds it to the peaks measured on an H100."""
     shard = ShardShape.of(config, 0, tp)
@@ -33,7 +33,8 @@ def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: 
                    + batch * shard.n_heads * prompt_len * seq
                    + batch * config.vocab_size * 4 // dtype_bytes)
     weights = weight_set_bytes(config, tp, dtype_bytes, quantize)
-    return int(weight_sets * weights + (models * kv_cache + activations) * dtype_bytes)
+    rope_tables = 2 * seq * config.head_dim * 4  # cos and sin of every cache position, float32
+    return int(weight_sets * weights + (models * kv_cache + activations) * dtype_bytes + models * rope_tables)
 
 
 def weight_set_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str | None = None) -> float:
