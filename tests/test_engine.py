@@ -139,10 +139,11 @@ def test_out_of_vocabulary_prompt_is_an_error(engine):
 def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape(monkeypatch):
     """With the weights frozen and inductor's C++ GEMM templates, a compiled CPU step's default (the other
     tests of compiled steps leave them out: conftest.py). The weights are constants of the compiled graph,
-    and dynamo's guards check their shapes only: the second model must not run the first one's."""
+    which inductor's cache keyed by shape: the second model must not run the first one's."""
     monkeypatch.setenv(CPU_GEMM_TEMPLATES_VARIABLE, "1")
     for seed in (0, 1):
-        model = random_model(tiny(layout="ladder", n_layers=2, ladder_layers=1), LocalCommunicator(), CPU, torch.bfloat16, seed)
+        config = tiny(layout="ladder", n_layers=2, ladder_layers=1)
+        model = random_model(config, LocalCommunicator(), CPU, torch.bfloat16, seed)
         eager = Engine(model).generate(PROMPT, 6).tokens
         compiled = Engine(model, DecodeStep.COMPILED)
         assert compiled.generate(PROMPT, 6).tokens == eager, f"seed {seed}"

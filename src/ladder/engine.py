@@ -257,9 +257,8 @@ def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Cal
                **(CPU_GEMM_TEMPLATES if templates else {})}
     trace_emulated_launches()
     keep_mutation_renames()
-    # Entries of its own: torch.compile shares entries among every compile of one function, and the
-    # guards check weights' shapes, not which tensors they are, so a second model of the same shapes
-    # would run the first one's frozen weights.
+    # Entries of its own (torch.compile shares them among every compile of one function), so that the
+    # guards on the model can go: they would be checked each step, and this engine's model never changes.
     compiled = torch.compile(step, fullgraph=True, options={**options, "guard_filter_fn": guards_off_the_model},
                              isolate_recompiles=True)
     return _with_frozen_weights(compiled) if templates else compiled
@@ -276,7 +275,9 @@ def guards_off_the_model(guards: list[Any]) -> list[bool]:
 
 def _with_frozen_weights(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`compiled`, compiling (at its first call, and at each recompile) with the weights frozen: an engine
-    serves fixed weights, and the prefill, eager, reads the model's own."""
+    serves fixed weights, and the prefill, eager, reads the model's own. Not through inductor's on-disk
+    graph cache: it keys frozen weights by their shapes, and a hit gave a second model of one shape the
+    first one's repacked weights (tests/test_engine.py); each compile then starts cold."""
     import torch._inductor.config as inductor_config
 
     @functools.wraps(compiled)
