@@ -166,7 +166,7 @@ def decode_speed(dtype: str, mode: str | None, step: DecodeStep) -> dict:
             "tokens_per_s": 1 / step_s, "step_ms": step_s * 1e3, "warmup_s": ready_s}
 
 
-def llama_cpp_speed(python: str) -> dict:
+def llama_cpp_speed(python: str, when: str) -> dict:
     """llama.cpp (llama-cpp-python) on the GGUF ladder reads, 2 threads, 64 prompt and 128 new tokens."""
     gguf = resolve_model(MODEL)  # the GGUF file ladder reads
     script = f"""
@@ -185,15 +185,15 @@ print(statistics.median(times))
 """
     out = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=600, check=True)
     step_s = float(out.stdout.strip().splitlines()[-1])
-    return {"engine": "llama.cpp", "dtype": "Q4_1 (GGUF)", "quantize": "Q4_1", "step": "llama.cpp",
-            "tokens_per_s": 1 / step_s, "step_ms": step_s * 1e3, "warmup_s": None}
+    return {"engine": f"llama.cpp ({when} ladder's rows)", "dtype": "Q4_1 (GGUF)", "quantize": "Q4_1",
+            "step": "llama.cpp", "tokens_per_s": 1 / step_s, "step_ms": step_s * 1e3, "warmup_s": None}
 
 
 def speed(llama_cpp_python: str | None) -> list[dict]:
     earlier = [r for r in read_jsonl(OUT / "speed.jsonl") if r["engine"].startswith("llama.cpp")]
     rows = [decode_speed(*config) for config in SPEED_CONFIGS]
-    if llama_cpp_python:
-        rows.append(llama_cpp_speed(llama_cpp_python))
+    if llama_cpp_python:  # before and after ladder's rows: this machine's speed drifts over a run
+        rows = [llama_cpp_speed(llama_cpp_python, "before"), *rows, llama_cpp_speed(llama_cpp_python, "after")]
     else:  # the last measured llama.cpp row, kept and marked as such
         rows += [{**r, "engine": r["engine"].removesuffix(" (earlier run)") + " (earlier run)"} for r in earlier]
     for row in rows:

@@ -139,14 +139,19 @@ def test_out_of_vocabulary_prompt_is_an_error(engine):
 def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape(monkeypatch):
     """With the weights frozen and inductor's C++ GEMM templates, a compiled CPU step's default (the other
     tests of compiled steps leave them out: conftest.py). The weights are constants of the compiled graph,
-    which inductor's cache keyed by shape: the second model must not run the first one's."""
+    which inductor's cache keyed by shape: the second model must not run the first one's. The first
+    model's weights again (the same seed) compile from the cache."""
+    from torch._dynamo.utils import counters
+
     monkeypatch.setenv(CPU_GEMM_TEMPLATES_VARIABLE, "1")
-    for seed in (0, 1):
+    for seed in (0, 1, 0):
         config = tiny(layout="ladder", n_layers=2, ladder_layers=1)
         model = random_model(config, LocalCommunicator(), CPU, torch.bfloat16, seed)
         eager = Engine(model).generate(PROMPT, 6).tokens
         compiled = Engine(model, DecodeStep.COMPILED)
+        counters.clear()
         assert compiled.generate(PROMPT, 6).tokens == eager, f"seed {seed}"
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1
 
 
 @pytest.mark.parametrize("layout", ["ladder", "parallel"])
