@@ -304,8 +304,8 @@ def weights_digest(model: Transformer) -> str:
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
         if id(tensor) not in caches:
             digest.update(name.encode())
-            for plain in plain_tensors(tensor.detach()):
-                digest.update(plain.cpu().contiguous().view(-1).view(torch.uint8).numpy())
+            for plain in plain_tensors(tensor):
+                digest.update(plain.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
