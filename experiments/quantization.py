@@ -218,14 +218,15 @@ def memory_peak(dtype: str, mode: str | None, step: DecodeStep) -> dict:
         return weight_bytes(model)
 
     peak, weights = peak_cpu_bytes(run)
-    estimate = estimate_memory_bytes(config, 1, 1, 64, 128, getattr(torch, dtype).itemsize, quantize=mode)
+    estimate = estimate_memory_bytes(config, 1, 1, 64, 128, getattr(torch, dtype).itemsize, quantize=mode,
+                                     cpu_step=step)
     return {"dtype": dtype, "quantize": label(mode), "step": step.value, "peak_bytes": peak,
             "weight_bytes": weights, "estimate_bytes": estimate, "peak_over_estimate": peak / estimate}
 
 
 def memory() -> list[dict]:
     rows = [memory_peak(dtype, mode, DecodeStep.EAGER) for dtype, mode in MEMORY_CONFIGS]
-    rows += [memory_peak("bfloat16", mode, DecodeStep.COMPILED) for mode in ("int8", "int4")]
+    rows += [memory_peak("bfloat16", mode, DecodeStep.COMPILED) for mode in (None, "int8", "int4")]
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows

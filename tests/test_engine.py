@@ -6,7 +6,7 @@ import torch
 from helpers import CPU, make_model, tiny
 from ladder.comm.base import LocalCommunicator
 from ladder.decode_step import DecodeStep
-from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE, Engine, weights_digest
+from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE, Engine
 from ladder.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.errors import LadderError
 from ladder.weights import random_model
@@ -139,36 +139,14 @@ def test_out_of_vocabulary_prompt_is_an_error(engine):
 def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape(monkeypatch):
     """With the weights frozen and inductor's C++ GEMM templates, a compiled CPU step's default (the other
     tests of compiled steps leave them out: conftest.py). The weights are constants of the compiled graph,
-    which inductor's cache keyed by shape: the second model must not run the first one's. The first
-    model's weights again (the same seed) compile from the cache."""
-    from torch._dynamo.utils import counters
-
+    which inductor's cache keyed by shape: the second model must not run the first one's."""
     monkeypatch.setenv(CPU_GEMM_TEMPLATES_VARIABLE, "1")
-    for seed in (0, 1, 0):
+    for seed in (0, 1):
         config = tiny(layout="ladder", n_layers=2, ladder_layers=1)
         model = random_model(config, LocalCommunicator(), CPU, torch.bfloat16, seed)
         eager = Engine(model).generate(PROMPT, 6).tokens
         compiled = Engine(model, DecodeStep.COMPILED)
-        counters.clear()
         assert compiled.generate(PROMPT, 6).tokens == eager, f"seed {seed}"
-    assert counters["inductor"]["fxgraph_cache_hit"] >= 1
-
-
-@pytest.mark.parametrize("mode", [None, "int8", "int4"])
-def test_the_weights_digest_tells_weights_apart_and_not_the_kv_caches_contents(mode):
-    """What keys a frozen compile in inductor's cache: quantized weights through their inner tensors; the
-    KV caches are written by every forward, so they are not part of it."""
-    config = tiny(ffn_hidden=128)  # int4 groups of 32 input columns
-    first, again, other = (make_model(config, seed=seed, quantize=mode) for seed in (0, 0, 1))
-    first.setup_caches(2, 32)
-    digest = weights_digest(first)
-    with torch.no_grad():
-        first(PROMPT, torch.arange(PROMPT.shape[1]))  # writes the KV caches
-    assert weights_digest(first) == digest
-    again.setup_caches(2, 32)
-    assert weights_digest(again) == digest
-    other.setup_caches(2, 32)
-    assert weights_digest(other) != digest
 
 
 @pytest.mark.parametrize("layout", ["ladder", "parallel"])

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -41,9 +39,8 @@ from ladder.decode_step import DecodeStep
 from ladder.errors import LadderError
 from ladder.inductor_fix import keep_mutation_renames
 from ladder.limits import check_context, check_token_ids
-from ladder.model import KVCache, Transformer
+from ladder.model import Transformer
 from ladder.packing import weights_for_step
-from ladder.quantize import plain_tensors
 from ladder.sampling import SamplingBatch, SamplingParams, row_generators, sample
 
 TokenCallback = Callable[[torch.Tensor], None]
@@ -101,7 +98,7 @@ class Engine:
         weights_for_step(model, step)  # oneDNN's packed layout for an eager step on CPU
         self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, model)
         if step.compiles_step:
-            self._forward = compile_step(self._forward, model)
+            self._forward = compile_step(self._forward, self.device)
         if step.compiles_layers:
             model.compile_layers()
         self.max_batch = self.max_seq = 0
@@ -250,13 +247,12 @@ CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,A
 CPU_GEMM_TEMPLATES_VARIABLE = "LADDER_CPU_GEMM_TEMPLATES"
 
 
-def compile_step(step: Callable[..., torch.Tensor], model: Transformer) -> Callable[..., torch.Tensor]:
-    """`step` (a decode forward of `model`) as one torch.compile graph (collectives, real or emulated, trace
-    into it), as in the paper, with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would
-    move each all-reduce launch down to its wait, and the overlap with it. Each wait is a custom op that
-    writes its result: `keep_mutation_renames` keeps inductor's CPU fusion from reading it before the wait."""
-    device = model.device
-    templates = device.type == "cpu" and os.environ.get(CPU_GEMM_TEMPLATES_VARIABLE, "1") != "0"
+def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
+    """`step` as one torch.compile graph (collectives, real or emulated, trace into it), as in the paper,
+    with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each all-reduce
+    launch down to its wait, and the overlap with it. Each wait is a custom op that writes its result:
+    `keep_mutation_renames` keeps inductor's CPU fusion from reading that result before the wait."""
+    templates = device.type == "cpu" and cpu_gemm_templates()
     options = {"triton.cudagraphs": device.type == "cuda", "reorder_for_locality": False,
                **(CPU_GEMM_TEMPLATES if templates else {})}
     trace_emulated_launches()
@@ -265,7 +261,12 @@ def compile_step(step: Callable[..., torch.Tensor], model: Transformer) -> Calla
     # guards on the model can go: they would be checked each step, and this engine's model never changes.
     compiled = torch.compile(step, fullgraph=True, options={**options, "guard_filter_fn": guards_off_the_model},
                              isolate_recompiles=True)
-    return _with_frozen_weights(compiled, model) if templates else compiled
+    return _with_frozen_weights(compiled) if templates else compiled
+
+
+def cpu_gemm_templates() -> bool:
+    """Whether a compiled CPU step freezes its weights for inductor's C++ GEMM templates."""
+    return os.environ.get(CPU_GEMM_TEMPLATES_VARIABLE, "1") != "0"
 
 
 def guards_off_the_model(guards: list[Any]) -> list[bool]:
@@ -277,36 +278,21 @@ def guards_off_the_model(guards: list[Any]) -> list[bool]:
             or (guard.guard_type == "TENSOR_MATCH" and "._buffers[" in guard.name) for guard in guards]
 
 
-def _with_frozen_weights(compiled: Callable[..., torch.Tensor], model: Transformer) -> Callable[..., torch.Tensor]:
-    """`compiled`, compiling (at its first call, and at each recompile) with `model`'s weights frozen: an
-    engine serves fixed weights, and the prefill, eager, reads the model's own. Inductor's on-disk graph
-    cache keys frozen weights by their shapes: a hit gave a second model of one shape the first one's
-    repacked weights (tests/test_engine.py). The digest of the weights, in the key, keeps a hit to the
-    same weights: a server restarted on one checkpoint compiles warm (SmolLM2 int8: ~40 s, cold ~145 s)."""
+def _with_frozen_weights(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`compiled`, compiling (at its first call, and at each recompile) with the weights frozen: an engine
+    serves fixed weights, and the prefill, eager, reads the model's own. Not through inductor's on-disk
+    graph cache, so each compile starts cold (SmolLM2 int8: ~140 s; bf16 ~35 s from the cache): it keys
+    frozen weights by their shapes, and a hit gave a second model of one shape the first one's weights
+    (tests/test_engine.py). With a digest of the weights in its key (tried), each entry still wrote the
+    weights the graph packed to disk, once for every shape a step is made at (SmolLM2: 137 MB int8, 271 MB
+    bf16 an entry)."""
     import torch._inductor.config as inductor_config
-
-    @functools.cache
-    def cache_key_tag() -> str:
-        return f"ladder-weights-{weights_digest(model)}"
 
     @functools.wraps(compiled)
     def step(*args: Any, **kwargs: Any) -> torch.Tensor:
-        with inductor_config.patch(freezing=True), torch.compiler.config.patch(cache_key_tag=cache_key_tag()):
+        with inductor_config.patch(freezing=True, fx_graph_cache=False):
             return compiled(*args, **kwargs)
     return step
-
-
-def weights_digest(model: Transformer) -> str:
-    """A digest of what a frozen compile makes constants: every parameter and buffer but the KV caches'
-    (SmolLM2 in bfloat16: about 0.3 s)."""
-    caches = {id(b) for m in model.modules() if isinstance(m, KVCache) for b in m.buffers()}
-    digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if id(tensor) not in caches:
-            digest.update(name.encode())
-            for plain in plain_tensors(tensor):
-                digest.update(plain.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 class CudaGraphStep:

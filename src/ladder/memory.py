@@ -11,18 +11,23 @@ from typing import Any
 import torch
 
 from ladder.config import ModelConfig, ShardShape
+from ladder.decode_step import DecodeStep
+from ladder.engine import cpu_gemm_templates
 from ladder.errors import LadderError
+from ladder.packing import DEQUANTIZE_ROWS
 from ladder.quantize import bytes_per_weight, quantizes_head
 
 MEMORY_USABLE = 0.9  # of a device's memory; the rest is the allocator's, CUDA's and the graphs' own
 
 
 def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: int, seq: int, dtype_bytes: int,
-                          models: int = 1, weight_sets: int = 1, quantize: str | None = None) -> int:
+                          models: int = 1, weight_sets: int = 1, quantize: str | None = None,
+                          cpu_step: DecodeStep | None = None) -> int:
     """One rank's weights (shared by the `models` models: one set, unless `weight_sets` says otherwise),
     the KV cache and rope tables of each model, and the largest activation (one model runs at a time: the prefill's),
-    in bytes, for rank 0 (which holds the most heads when they do not divide evenly). tests/test_bench.py
-    holds it to the peaks measured on an H100."""
+    in bytes, for rank 0 (which holds the most heads when they do not divide evenly); on CPU (`cpu_step`, the
+    decode step), what the step's layers add (`cpu_step_bytes`). tests/test_bench.py holds it to the peaks
+    measured on an H100, experiments/quantization.py to SmolLM2's on CPU."""
     shard = ShardShape.of(config, 0, tp)
     kv_cache = kv_cache_bytes(config, shard.n_kv_heads, batch, seq, 1)
     # The prefill of one layer: its inputs, norms and outputs (dim wide), the MLP's gate, up and product
@@ -34,7 +39,33 @@ def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: 
                    + batch * config.vocab_size * 4 // dtype_bytes)
     weights = weight_set_bytes(config, tp, dtype_bytes, quantize)
     rope_tables = 2 * seq * config.head_dim * 4  # cos and sin of every cache position, float32
-    return int(weight_sets * weights + (models * kv_cache + activations) * dtype_bytes + models * rope_tables)
+    step = 0 if cpu_step is None else cpu_step_bytes(config, tp, dtype_bytes, quantize, cpu_step)
+    return int(weight_sets * weights + (models * kv_cache + activations) * dtype_bytes + models * rope_tables + step)
+
+
+def cpu_step_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str | None, step: DecodeStep) -> int:
+    """What a CPU engine's layers hold beyond the weights: an int8 layer dequantizes a prefill's weight
+    `DEQUANTIZE_ROWS` output rows at a time, in float32 (`ladder.packing.Int8RowLinear`). A compiled step with
+    frozen weights (`ladder.engine.compile_step`) packs each linear weight that inductor's GEMM templates
+    take (all but int4's: no AVX2 template) into a blocked copy of its own, beside the one the eager prefill
+    reads, and holds one more copy of the largest while it packs it. Measured on SmolLM2 (docs/quantization.md):
+    int8's packed copies 135 MB; int4's head (bf16) 56.6 MB kept, 56.6 more at the peak. Unquantized, the
+    templates take only the shapes where they time faster than ATen: an upper bound there."""
+    shard = ShardShape.of(config, 0, tp)
+    q_dim, kv_dim = shard.n_heads * config.head_dim, shard.n_kv_heads * config.head_dim
+    block = [(q_dim + 2 * kv_dim, config.dim), (config.dim, q_dim), (2 * shard.ffn_hidden, config.dim),
+             (config.dim, shard.ffn_hidden)]  # (rows, columns) of one block's four linears
+    head = (config.vocab_size, config.dim)
+    dequantized = 0
+    if quantize == "int8":
+        dequantized = max(min(rows, DEQUANTIZE_ROWS) * columns for rows, columns in [*block, head]) * 4
+    if step is not DecodeStep.COMPILED or not cpu_gemm_templates():
+        return dequantized
+    quantized_bytes = bytes_per_weight(quantize, dtype_bytes, row_width=config.dim)
+    packed = [] if quantize == "int4" else [rows * columns * quantized_bytes for rows, columns in block]
+    packed *= config.n_layers
+    packed.append(head[0] * head[1] * (quantized_bytes if quantizes_head(quantize) else dtype_bytes))
+    return int(dequantized + sum(packed) + max(packed))
 
 
 def weight_set_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str | None = None) -> float:

@@ -44,7 +44,8 @@ def check_fits(group: Sequence[BenchPoint], device: torch.device) -> None:
     procs_per_host = point.tp if not point.emulated and device.type == "cpu" else 1
     need = estimate_memory_bytes(config, point.tp, point.batch_size, point.prompt_len,
                                  point.prompt_len + point.gen_len, DTYPE_BYTES[dtype], len(group),
-                                 quantize=point.quantize) * procs_per_host
+                                 quantize=point.quantize,
+                                 cpu_step=point.decode_step if device.type == "cpu" else None) * procs_per_host
     have = available_memory_bytes(device)
     if not fits_in(need, have):
         what = point.preset if len(group) == 1 else f"{point.preset} ({len(group)} layouts together)"
