@@ -51,10 +51,7 @@ def cpu_step_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str
     reads, and holds one more copy of the largest while it packs it. Measured on SmolLM2 (docs/quantization.md):
     int8's packed copies 135 MB; int4's head (bf16) 56.6 MB kept, 56.6 more at the peak. Unquantized, the
     templates take only the shapes where they time faster than ATen: an upper bound there."""
-    shard = ShardShape.of(config, 0, tp)
-    q_dim, kv_dim = shard.n_heads * config.head_dim, shard.n_kv_heads * config.head_dim
-    block = [(q_dim + 2 * kv_dim, config.dim), (config.dim, q_dim), (2 * shard.ffn_hidden, config.dim),
-             (config.dim, shard.ffn_hidden)]  # (rows, columns) of one block's four linears
+    block = block_linear_shapes(config, tp)
     head = (config.vocab_size, config.dim)
     dequantized = 0
     if quantize == "int8":
@@ -86,9 +83,15 @@ def weight_set_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: s
 def block_linear_params(config: ModelConfig) -> int:
     """The weights of every block's linear layers (QKV, attention output, gate/up, down): what
     `--quantize` quantizes."""
-    kv_dim = config.n_kv_heads * config.head_dim
-    attention = config.dim * (config.dim + 2 * kv_dim) + config.dim * config.dim
-    return config.n_layers * (attention + 3 * config.dim * config.ffn_hidden)
+    return config.n_layers * sum(rows * columns for rows, columns in block_linear_shapes(config, 1))
+
+
+def block_linear_shapes(config: ModelConfig, tp: int) -> list[tuple[int, int]]:
+    """(rows, columns) of one block's four linear layers (QKV, attention output, gate/up, down) on rank 0."""
+    shard = ShardShape.of(config, 0, tp)
+    q_dim, kv_dim = shard.n_heads * config.head_dim, shard.n_kv_heads * config.head_dim
+    return [(q_dim + 2 * kv_dim, config.dim), (config.dim, q_dim), (2 * shard.ffn_hidden, config.dim),
+            (config.dim, shard.ffn_hidden)]
 
 
 def kv_cache_bytes(config: ModelConfig, kv_heads: int, batch: int, positions: int, dtype_bytes: int,

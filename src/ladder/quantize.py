@@ -149,15 +149,10 @@ def is_int8_per_row(weight: torch.Tensor) -> bool:
 def tensor_bytes(t: torch.Tensor) -> int:
     """The bytes a tensor holds: a quantized tensor's are its inner tensors' (data, scales, zero points),
     not its logical shape times the dtype it computes in."""
-    return sum(plain.numel() * plain.element_size() for plain in plain_tensors(t))
-
-
-def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold `t`: itself, or a quantized tensor's inner ones."""
     if type(t) in (torch.Tensor, nn.Parameter):
-        return [t]
+        return t.numel() * t.element_size()
     inner_names, _ = t.__tensor_flatten__()
-    return [plain for name in inner_names for plain in plain_tensors(getattr(t, name))]
+    return sum(tensor_bytes(getattr(t, name)) for name in inner_names)
 
 
 def quantizes_head(mode: str | None) -> bool:
