@@ -121,19 +121,19 @@ def test_hf_folder_logits_equal_transformers(tiny_hf, which):
         torch.testing.assert_close(model(TOKENS), hf_model(TOKENS).logits, atol=1e-5, rtol=0)
 
 
-def test_hf_folder_at_tp2_equals_tp1(tiny_hf):
+def test_hf_folder_at_tp2_equals_tp1(tiny_hf, capsys):
     _, single, _ = tiny_hf
     prompt = ",".join(map(str, TOKENS[0, :6].tolist()))
-    outs = [ladder_cli("generate", "--model", str(single), "--prompt-ids", prompt, "--max-new-tokens", "8",
-                       "--tp", str(tp), "--ladder-layers", "2") for tp in (1, 2)]
+    args = ["generate", "--model", str(single), "--prompt-ids", prompt, "--max-new-tokens", "8", "--ladder-layers", "2"]
+    outs = [ladder_in_process(capsys, *args, "--tp", "1"), ladder_cli(*args, "--tp", "2")]  # TP 1 starts no workers
     assert all(o.returncode == 0 for o in outs), outs[1].stderr
     assert outs[0].stdout == outs[1].stdout and outs[0].stdout.startswith("generated: ")
 
 
-def test_convert_round_trip_is_bit_identical(tiny_hf, tmp_path):
+def test_convert_round_trip_is_bit_identical(tiny_hf, tmp_path, capsys):
     _, single, _ = tiny_hf
     out = tmp_path / "converted"
-    result = ladder_cli("convert", str(single), "--ladder-layers", "2", "--out", str(out))
+    result = ladder_in_process(capsys, "convert", str(single), "--ladder-layers", "2", "--out", str(out))
     assert result.returncode == 0, result.stderr
     saved = json.loads((out / "config.json").read_text())
     assert saved["ladder_layers"] == 2 and saved["residual_layout"] == "ladder"

@@ -19,7 +19,7 @@ from ladder.errors import LadderError
 from ladder.spec import ModelSpec
 from ladder.weights import export_hf_state_dict, random_model
 
-from helpers import ladder_cli
+from helpers import ladder_in_process
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -169,7 +169,7 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
     return safetensors_torch.load_file(str(folder / "model.safetensors"))
 
 
-def test_save_reload_and_ladder_convert_round_trip_bit_exactly(folders, tmp_path):
+def test_save_reload_and_ladder_convert_round_trip_bit_exactly(folders, tmp_path, capsys):
     original = _tensors(folders["hybrid-20"])
     hf_model(folders["hybrid-20"]).save_pretrained(tmp_path / "saved")
     saved = _tensors(tmp_path / "saved")
@@ -177,7 +177,7 @@ def test_save_reload_and_ladder_convert_round_trip_bit_exactly(folders, tmp_path
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert config["model_type"] == "ladder_llama" and config["ladder_layers"] == 20
     assert type(hf_model(tmp_path / "saved")).__name__ == "LadderLlamaForCausalLM"
-    result = ladder_cli("convert", str(tmp_path / "saved"), "--out", str(tmp_path / "again"))
+    result = ladder_in_process(capsys, "convert", str(tmp_path / "saved"), "--out", str(tmp_path / "again"))
     assert result.returncode == 0, result.stderr
     again = _tensors(tmp_path / "again")
     assert again.keys() == original.keys() and all(torch.equal(again[k], original[k]) for k in again)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import warnings
 from typing import Any
@@ -58,7 +59,8 @@ def check_quantize(mode: str | None, device_type: str, dtype: torch.dtype) -> No
         return
     if mode not in QUANTIZE_MODES:
         raise LadderError(f"--quantize {mode!r}: give one of {', '.join(QUANTIZE_MODES)}")
-    _torchao()  # installed?
+    if importlib.util.find_spec("torchao") is None:  # not imported here: 3.5 s, which the ranks that quantize pay
+        raise LadderError(f"--quantize needs torchao (not installed): {INSTALL_HINT}")
     if mode == "int4" and device_type == "cuda" and dtype != torch.bfloat16:
         raise LadderError(f"--quantize int4 on CUDA runs torchao's tinygemm kernel, which takes bfloat16 "
                           f"activations only: add --dtype bfloat16 (asked: {str(dtype).removeprefix('torch.')})")
