@@ -89,10 +89,10 @@ def complete(server: Server, prompt="The capital of France is", **kwargs):
 
 # ---- answers ----------------------------------------------------------------------------------------------
 
-def test_a_greedy_completion_is_what_ladder_generate_answers(smollm):
+def test_a_greedy_completion_is_what_ladder_generate_answers(smollm, capsys):
     answer = complete(smollm)
-    generated = subprocess.run([sys.executable, "-m", "ladder", "generate", "--model", SMOLLM, "--prompt",
-                                "The capital of France is", "--max-new-tokens", "12"], capture_output=True, text=True)
+    generated = ladder_in_process(capsys, "generate", "--model", SMOLLM, "--prompt", "The capital of France is",
+                                  "--max-new-tokens", "12")
     assert generated.returncode == 0, generated.stderr
     assert answer.choices[0].text == generated.stdout.removesuffix("\n")
     assert answer.usage.completion_tokens == 12 and answer.choices[0].finish_reason == "length"

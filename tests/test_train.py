@@ -5,8 +5,6 @@ import json
 import re
 import signal
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +16,8 @@ from ladder.train.checkpoints import checkpoint_dirs
 from ladder.train.loop import train
 from ladder.train.settings import TrainConfig, load_train_config
 
-from helpers import descendants, has_loaded_torch, ladder_lines, stop_when_ready, torchrun_on_two_nodes
+from helpers import (descendants, has_loaded_torch, ladder_in_process, ladder_lines, stop_when_ready,
+                     torchrun_on_two_nodes)
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +124,10 @@ def test_desync_checkpoint_runs_on_its_real_ranks(corpus, tmp_path):
         ModelSpec(model=str(result.final_dir), tp=1, device="cpu").load(LocalCommunicator(), torch.device("cpu"))
 
 
-def test_checkpoint_is_a_model_folder_the_cli_runs(corpus, tmp_path):
+def test_checkpoint_is_a_model_folder_the_cli_runs(corpus, tmp_path, capsys):
     result = train(tiny_config(corpus, tmp_path / "run", steps=3), progress=False)
-    out = subprocess.run([sys.executable, "-m", "ladder", "generate", "--model", str(result.final_dir),
-                          "--prompt", "def ", "--max-new-tokens", "5"], capture_output=True, text=True, timeout=120)
+    out = ladder_in_process(capsys, "generate", "--model", str(result.final_dir), "--prompt", "def ",
+                            "--max-new-tokens", "5")
     assert out.returncode == 0, out.stderr
     assert "HF weights" in out.stderr
 
@@ -170,37 +169,33 @@ def test_bad_input(corpus, tmp_path):
     assert leftovers == []  # no half-written checkpoint
 
 
-def test_an_out_dir_under_a_file_is_one_line_before_training(tmp_path):
+def test_an_out_dir_under_a_file_is_one_line_before_training(tmp_path, capsys):
     (tmp_path / "a_file").write_text("precious")
-    out = subprocess.run([sys.executable, "-m", "ladder", "train", f"out_dir={tmp_path / 'a_file' / 'run'}",
-                          "--no-progress"], capture_output=True, text=True)
+    out = ladder_in_process(capsys, "train", f"out_dir={tmp_path / 'a_file' / 'run'}", "--no-progress")
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         f"ladder: error: cannot write {tmp_path / 'a_file' / 'run' / 'metrics.jsonl'}: "
         f"{tmp_path / 'a_file'} is a file, not a folder"], out.stderr
     assert (tmp_path / "a_file").read_text() == "precious"
 
 
-def test_config_file_and_cli(corpus, tmp_path):
+def test_config_file_and_cli(corpus, tmp_path, capsys):
     (tmp_path / "run.toml").write_text(f'preset = "tiny"\ndata = ["{corpus / "train.txt"}"]\nheldout = []\n'
                                        f'seq_len = 32\nsteps = 2\nbatch_size = 4\nmicro_batch_size = 4\n')
-    out = subprocess.run([sys.executable, "-m", "ladder", "train", "--config", str(tmp_path / "run.toml"),
-                          f"out_dir={tmp_path / 'cli'}", "warmup_steps=1", "--no-progress"],
-                         capture_output=True, text=True, timeout=120)
+    out = ladder_in_process(capsys, "train", "--config", str(tmp_path / "run.toml"), f"out_dir={tmp_path / 'cli'}",
+                            "warmup_steps=1", "--no-progress")
     assert out.returncode == 0, out.stderr
     assert "final train loss" in out.stdout
-    plot = subprocess.run([sys.executable, "-m", "ladder", "train", "plot", str(tmp_path / "cli"),
-                           "--out", str(tmp_path / "loss.png")], capture_output=True, text=True, timeout=120)
+    plot = ladder_in_process(capsys, "train", "plot", str(tmp_path / "cli"), "--out", str(tmp_path / "loss.png"))
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    bad = subprocess.run([sys.executable, "-m", "ladder", "train", "steps=abc"], capture_output=True, text=True)
+    bad = ladder_in_process(capsys, "train", "steps=abc")
     assert bad.returncode == 2 and bad.stderr.strip() == "ladder: error: steps expects an integer, got 'abc'"
 
 
-def test_train_plot_of_a_folder_that_holds_no_training_metrics_is_one_line(tmp_path):
+def test_train_plot_of_a_folder_that_holds_no_training_metrics_is_one_line(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"status": "ok", "layout": "ladder"}\n')  # a bench record
-    plot = subprocess.run([sys.executable, "-m", "ladder", "train", "plot", str(tmp_path / "run"),
-                           "--out", str(tmp_path / "loss.png")], capture_output=True, text=True, timeout=120)
+    plot = ladder_in_process(capsys, "train", "plot", str(tmp_path / "run"), "--out", str(tmp_path / "loss.png"))
     assert plot.returncode == 2 and plot.stderr.strip() == (
         f"ladder: error: {tmp_path / 'run' / 'metrics.jsonl'}:1 is not a ladder train record (it has no tokens and loss)")
 
@@ -230,8 +225,8 @@ def test_settings_may_come_before_and_after_options(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
-def test_nproc_below_one_is_one_line():
-    bad = subprocess.run([sys.executable, "-m", "ladder", "train", "--nproc", "0"], capture_output=True, text=True)
+def test_nproc_below_one_is_one_line(capsys):
+    bad = ladder_in_process(capsys, "train", "--nproc", "0")
     assert bad.returncode == 2 and bad.stderr.strip() == "ladder: error: --nproc must be >= 1, got 0"
 
 
