@@ -35,8 +35,10 @@ def generated(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("generated"))
 
 
-def at_tp1_and_tp2(capsys, layout: str, new_tokens: int) -> tuple[subprocess.CompletedProcess,
-                                                                   subprocess.CompletedProcess]:
+Completed = subprocess.CompletedProcess
+
+
+def at_tp1_and_tp2(capsys, layout: str, new_tokens: int) -> tuple[Completed, Completed]:
     """`ladder generate` of the tiny preset's random weights at TP 1 (in this process: TP 1 starts no
     workers) and at TP 2, both successful."""
     args = ["generate", "--preset", "tiny", "--layout", layout, "--prompt-ids", "1,2,3",
@@ -240,24 +242,25 @@ def test_compiled_decode_at_tp2_equals_eager():
     assert generated(eager.stdout) == generated(compiled.stdout)
 
 
+# What the torchrun tests run at TP 2, and compare with the same command at TP 1 in this process.
+TINY_LADDER = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
+
+
 def test_runs_under_torchrun_with_global_ranks(capsys):
-    out = torchrun_ladder("generate", "--preset", "tiny", "--layout", "ladder", "--tp", "2", "--prompt-ids", "1,2,3",
-                          "--max-new-tokens", "8", timeout=180)
+    out = torchrun_ladder(*TINY_LADDER, "--tp", "2", timeout=180)
     assert out.returncode == 0, out.stderr[-6000:]  # (torchrun's own summary alone takes the last 2000)
     lines = [line for line in out.stdout.splitlines() if line.startswith("generated")]
     assert len(lines) == 1  # printed by global rank 0 only
-    assert lines[0] == generated(ladder_in_process(capsys, "generate", "--preset", "tiny", "--layout", "ladder",
-                                                   "--prompt-ids", "1,2,3", "--max-new-tokens", "8").stdout)
+    assert lines[0] == generated(ladder_in_process(capsys, *TINY_LADDER).stdout)
 
 
 def test_runs_on_two_nodes_under_torchrun(capsys):
     """Every rank is LOCAL_RANK 0: anything keyed on the local rank instead of the global one (sharding,
     who prints) shows here."""
-    tp1 = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
-    (status0, out0, err0), (status1, out1, err1) = torchrun_on_two_nodes([[*tp1, "--tp", "2"]] * 2)
+    (status0, out0, err0), (status1, out1, err1) = torchrun_on_two_nodes([[*TINY_LADDER, "--tp", "2"]] * 2)
     assert (status0, status1) == (0, 0), err0[-3000:] + err1[-3000:]
     assert out1 == ""  # only global rank 0 prints
-    assert generated(out0) == generated(ladder_in_process(capsys, *tp1).stdout)
+    assert generated(out0) == generated(ladder_in_process(capsys, *TINY_LADDER).stdout)
 
 
 def test_two_nodes_given_different_prompts_stop_with_one_line_each():
