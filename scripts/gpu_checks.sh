@@ -26,10 +26,17 @@
 #  8. tests: the CUDA-only tests (CUDA-graph decode and server steps equal eager, quantized CUDA kernels);
 #  9. peer: Hugging Face transformers' generate with its static cache, compiled, on PRESET_SMALL's shape at
 #     SMALL_BATCHES (experiments/gpu/transformers_peer.py), beside step 1's ladder at the same batches;
-# 10. server: the server's batch-8 decode step against the engine's (experiments/gpu/server_step.py).
+# 10. server: the server's batch-8 decode step against the engine's (experiments/gpu/server_step.py);
+# 11. variants: PRESET_SMALL's TP-1 decode step (COMPILE, default --compile-layers --cuda-graph here) at
+#     SMALL_BATCHES once per VARIANTS entry, each alone in a process with one setting of its own, a results file
+#     and a trace folder each (variants/NAME.jsonl, traces/variants/NAME), then a table against the first
+#     (variants.md: experiments/gpu/decode_variants.py) and each trace's kernels. Entries: sdpa (the default),
+#     flex and products (LADDER_DECODE_ATTENTION), coordinate-descent (LADDER_INDUCTOR_OPTIONS, gpt-fast's Triton
+#     tuning), baseline (an earlier package, BASELINE_SRC=its src folder: e.g. 060e950's, which waited for
+#     the GPU after every step; `git archive 060e950 src | tar -x -C .gpu-baseline`, carry .gpu-baseline).
 # STEPS picks and orders them (default: all, in the order 0 env, tests, small, shard, shard-compiled, compare,
-# hybrid, quantized, peer, server); DEADLINE_S (seconds) stops the script's steps in time for the caller to
-# copy the results back (a ladder bench stopped by it keeps what it measured; --resume goes on).
+# hybrid, quantized, peer, server, then variants); DEADLINE_S (seconds) stops the script's steps in time for
+# the caller to copy the results back (a ladder bench stopped by it keeps what it measured; --resume goes on).
 # Environment: PYTHON (default python3), RESULTS (default results/gpu), BATCHES, RUNS, WARMUP,
 # LAYOUTS_70B to trim the sweep, STEP_70B, PRESET_70B, PRESET_SMALL, TP, PROMPT_LEN, GEN_LEN to swap the
 # models, shapes and decode step (a dry run on CPU: DEVICE=cpu COMPILE= STEP_70B= STEP_COMPILED_70B=--compile-layers
@@ -51,7 +58,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 out=${RESULTS:-results/gpu}
-steps=${STEPS:-env,tests,small,shard,shard-compiled,compare,hybrid,quantized,peer,server}
+steps=${STEPS:-env,tests,small,shard,shard-compiled,compare,hybrid,quantized,peer,server,variants}
 deadline=$(( SECONDS + ${DEADLINE_S:-1000000} ))
 batches=${BATCHES-1,4,16,64}  # (BATCHES= or COMPILED_BATCHES= empty: that step is skipped)
 runs=${RUNS:-3}
@@ -72,6 +79,10 @@ step_compiled_70b=${STEP_COMPILED_70B---compile-layers --cuda-graph}
 hybrid_layers=${HYBRID_LAYERS:-20,40,60}
 hybrid_batches=${HYBRID_BATCHES-1}
 quantize_batches=${QUANTIZE_BATCHES-1}
+variants=${VARIANTS:-sdpa,flex,coordinate-descent,products}
+declare -A variant_setting=([sdpa]="LADDER_DECODE_ATTENTION=sdpa" [flex]="LADDER_DECODE_ATTENTION=flex"
+    [products]="LADDER_DECODE_ATTENTION=products" [baseline]="PYTHONPATH=${BASELINE_SRC:-}"
+    [coordinate-descent]='LADDER_INDUCTOR_OPTIONS={"coordinate_descent_tuning": true}')
 prompt=${PROMPT_LEN:-1024}
 gen=${GEN_LEN:-512}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -181,6 +192,23 @@ step_peer() {
 step_server() {
     within "$PY" experiments/gpu/server_step.py --preset "$small" --batch 8 --position "$prompt" --device "$device" \
         ${SERVER_STEP:+--step "$SERVER_STEP"} --out "$out/server-step.jsonl"
+}
+step_variants() {
+    local files=()
+    for name in ${variants//,/ }; do
+        if [[ -z "${variant_setting[$name]+set}" ]]; then echo "unknown variant $name"; failed=1; continue; fi
+        if [[ "$name" == baseline && -z "${BASELINE_SRC:-}" ]]; then echo "baseline skipped: no BASELINE_SRC"; continue; fi
+        within env "${variant_setting[$name]}" "$PY" -m ladder bench --preset "$small" --layouts standard --tp 1 \
+            --batch-sizes "$small_batches" "${common[@]}" $compile --profile "$out/traces/variants/$name" \
+            --profile-tokens 4 --out "$out/variants/$name.jsonl"
+        [[ -f "$out/variants/$name.jsonl" ]] && files+=("$out/variants/$name.jsonl")
+    done
+    (( ${#files[@]} )) || return 0
+    local copy; copy=$(grep -oE 'copy: [0-9.]+' "$out/environment.txt" 2>/dev/null | grep -oE '[0-9.]+$' || true)
+    { "$PY" experiments/gpu/decode_variants.py "${files[@]}" ${copy:+--copy-tbps "$copy"}
+      if [[ "$device" == cuda ]]; then
+          echo; "$PY" experiments/investigations/decode_step_kernels.py "$out"/traces/variants/*/*.json*
+      fi; } | tee "$out/variants.md" || failed=1
 }
 
 for name in ${steps//,/ }; do

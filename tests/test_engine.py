@@ -1,14 +1,17 @@
 """The generation engine: greedy = argmax, seeds, top-k / top-p sets, stop tokens, streaming, limits."""
 
+import re
+
 import pytest
 import torch
 
 from helpers import CPU, make_model, tiny
 from ladder.comm.base import LocalCommunicator
-from ladder.decode_step import DecodeStep
-from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE, Engine
+from ladder.decode_step import INDUCTOR_OPTIONS_VARIABLE, DecodeStep
+from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE, DECODE_ATTENTION_VARIABLE, Engine
 from ladder.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.errors import LadderError
+from ladder.step_clock import StepClock
 from ladder.weights import random_model
 
 PROMPT = torch.tensor([[5, 17, 42, 7], [9, 3, 200, 1]])
@@ -124,6 +127,24 @@ def test_streaming_callback_sees_every_token(engine):
     assert [list(col) for col in zip(*result.tokens)] == seen
 
 
+def test_generations_in_turns_time_their_steps_as_laps_of_one_clock_with_no_gap(engine):
+    """Each lap starts where the step before it, of either generation, ended: the laps cover the run, and
+    each generation's own laps are its prefill and its decode steps."""
+    other = Engine(make_model(tiny(layout="standard")))
+    clock = StepClock(CPU)
+    generations = [e.start(PROMPT, 4, clock=clock) for e in (engine, other)]
+    for _ in range(4):
+        for generation in generations:
+            generation.step()
+    laps = [lap for turn in zip(*(g.laps for g in generations)) for lap in turn]
+    assert all(later.start == earlier.end for earlier, later in zip(laps, laps[1:]))
+    for generation in generations:
+        result = generation.result()
+        assert result.prefill_s == generation.laps[0].seconds()
+        assert result.token_latencies_s == [lap.seconds() for lap in generation.laps[1:]]
+        assert result.decode_s == sum(result.token_latencies_s)
+
+
 def test_prompt_longer_than_cache_is_an_error(engine):
     with pytest.raises(LadderError, match="exceeds the model's max_seq_len 128"):
         engine.generate(torch.zeros(1, 120, dtype=torch.long), 20)
@@ -167,6 +188,55 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
     assert counters["stats"]["unique_graphs"] == (2 if layout == "parallel" else 3)  # attention, MLP; the head
 
 
+@pytest.mark.parametrize("kernel, traces", [("sdpa", set()), ("products", {"decode_attention"}),
+                                            ("flex", {"flex_decode_attention"})])
+def test_each_decode_attention_kernel_gives_eager_tokens(kernel, traces, monkeypatch):
+    """LADDER_DECODE_ATTENTION picks a compiled decode step's attention (on CPU "products" by default); each
+    attends to each row's own positions: the tokens of the eager step, which attends through ATen."""
+    import ladder.model as model_module
+
+    model = make_model(tiny(layout="ladder", n_layers=2, ladder_layers=1))
+    eager = Engine(model).generate(PROMPT, 6).tokens
+    traced = set()
+    for name in ("decode_attention", "flex_decode_attention"):  # the kernels other than ATen's
+        def spy(*args, real=getattr(model_module, name), name=name):
+            traced.add(name)
+            return real(*args)
+        monkeypatch.setattr(model_module, name, spy)
+    monkeypatch.setenv(DECODE_ATTENTION_VARIABLE, kernel)
+    try:
+        assert Engine(model, DecodeStep.COMPILED_LAYERS).generate(PROMPT, 6).tokens == eager
+    finally:
+        model.use_decode_attention(None)
+    assert traced == traces
+    monkeypatch.setenv(DECODE_ATTENTION_VARIABLE, "paged")
+    with pytest.raises(LadderError, match="unknown decode attention 'paged': pick one of sdpa, products, flex"):
+        Engine(model)
+
+
+def test_inductor_options_reach_every_compiled_step_and_bad_ones_are_refused(monkeypatch):
+    """LADDER_INDUCTOR_OPTIONS adds inductor options to each compiled layer step and the head, and to a
+    whole compiled step; bad ones are one-line errors."""
+    model = make_model(tiny(layout="ladder", n_layers=2, ladder_layers=1))
+    eager = Engine(model).generate(PROMPT, 4).tokens
+    monkeypatch.setenv(INDUCTOR_OPTIONS_VARIABLE, '{"coordinate_descent_tuning": true}')
+    options = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: options.append(k.get("options")) or real_compile(*a, **k))
+    assert Engine(model, DecodeStep.COMPILED_LAYERS).generate(PROMPT, 4).tokens == eager
+    Engine(make_model(tiny(layout="ladder")), DecodeStep.COMPILED)
+    from ladder.model import Block
+
+    assert len(options) == 2 * len(Block.STEPS) + 1 + 1  # each layer's steps and the head; the whole step
+    assert all(o["coordinate_descent_tuning"] is True for o in options)
+    for text, message in [("{oops", "LADDER_INDUCTOR_OPTIONS is not JSON"),
+                          ("[1]", "LADDER_INDUCTOR_OPTIONS must be a JSON object"),
+                          ('{"no_such_option": 1}', "LADDER_INDUCTOR_OPTIONS: inductor has no option 'no_such_option'")]:
+        monkeypatch.setenv(INDUCTOR_OPTIONS_VARIABLE, text)
+        with pytest.raises(LadderError, match=re.escape(message)):
+            Engine(make_model(tiny(layout="ladder")), DecodeStep.COMPILED_LAYERS)
+
+
 def test_cuda_graph_decode_needs_cuda_and_excludes_compile():
     model = make_model(tiny(layout="ladder"))
     with pytest.raises(LadderError, match="CUDA graphs need a CUDA device; the model is on cpu"):
@@ -188,3 +258,21 @@ def test_cuda_graph_decode_equals_eager():
     compiled_layers = Engine(model, DecodeStep.COMPILED_LAYERS_CUDA_GRAPH)  # (the last: it compiles `model`)
     assert compiled_layers.generate(prompt, 6).tokens == eager
     assert compiled_layers.generate(prompt, 6).tokens == eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graph_decode_steps_queue_without_waiting_for_the_device():
+    """A decode step never waits for the GPU (sync debug mode "error" raises at any call that would): the
+    host queues the next step while this one runs. The prefill and the first decode steps (the capture)
+    may wait."""
+    model = make_model(tiny(layout="ladder", ladder_layers=2)).cuda()
+    generation = Engine(model, DecodeStep.CUDA_GRAPH).start(PROMPT.cuda(), 8, SamplingParams(temperature=0.8, top_k=50))
+    for _ in range(3):
+        generation.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while not generation.finished:
+            generation.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(generation.result().token_latencies_s) == 7

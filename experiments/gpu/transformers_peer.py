@@ -22,7 +22,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from ladder.bench.records import append_jsonl, environment
 from ladder.config import ModelConfig, get_preset
-from ladder.engine import synchronize
+from ladder.step_clock import synchronize
 
 
 def llama_config(config: ModelConfig) -> LlamaConfig:

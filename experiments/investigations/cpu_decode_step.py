@@ -6,7 +6,8 @@ what the step did before:
   drops them);
 - "rope computed": cos and sin computed from the positions in the graph (`Transformer.cached_rope` reads
   them from tables);
-- "ATen attention": the decode attention through ATen's flash kernel (`ladder.model.decode_attention`).
+- "ATen attention": the decode attention through ATen's flash kernel (`Transformer.use_decode_attention("sdpa")`),
+  not `ladder.model.decode_attention`.
 
     PYTHONPATH=src .venv/bin/python experiments/investigations/cpu_decode_step.py [--quantize int8] [--dtype bfloat16]
         [--rounds 4]
@@ -41,19 +42,15 @@ VARIANTS = {  # name: what it puts back
 @contextlib.contextmanager
 def put_back(changes: tuple[str, ...]) -> Iterator[None]:
     """The step as it was before the named changes, while tracing (the compiled graph keeps it)."""
-    saved = (engine_module.guards_off_the_model, model_module.compiles_cpu_decode_attention,
-             model_module.Transformer.cached_rope)
+    saved = (engine_module.guards_off_the_model, model_module.Transformer.cached_rope)
     if "guards" in changes:
         engine_module.guards_off_the_model = lambda guards: [True] * len(guards)
-    if "attention" in changes:
-        model_module.compiles_cpu_decode_attention = lambda q, k, mask: False
     if "rope" in changes:
         model_module.Transformer.cached_rope = model_module.Transformer.rope
     try:
         yield
     finally:
-        (engine_module.guards_off_the_model, model_module.compiles_cpu_decode_attention,
-         model_module.Transformer.cached_rope) = saved
+        engine_module.guards_off_the_model, model_module.Transformer.cached_rope = saved
 
 
 def main() -> None:
@@ -68,7 +65,9 @@ def main() -> None:
     for name, changes in VARIANTS.items():
         spec = ModelSpec(model="smollm2-135m-instruct", dtype=args.dtype, quantize=args.quantize or None, device="cpu")
         with put_back(changes):
-            engines[name] = Engine(spec.load(LocalCommunicator(), torch.device("cpu")).model, DecodeStep.COMPILED)
+            model = spec.load(LocalCommunicator(), torch.device("cpu")).model
+            model.use_decode_attention("sdpa" if "attention" in changes else None)
+            engines[name] = Engine(model, DecodeStep.COMPILED)
             tokens[name] = engines[name].generate(prompt, 16, greedy, max_seq=256).tokens  # compiles
         steps[name] = []
     for _ in range(args.rounds):

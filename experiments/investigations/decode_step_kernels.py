@@ -37,7 +37,7 @@ def steps(path: Path) -> str:
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["args"].get("correlation") in by_launch:
             by_launch[e["args"]["correlation"]].append(e)
-    lines = [path.name]
+    lines = [f"{path.parent.name}/{path.name}"]
     for i, launch in enumerate(launches):
         kernels = sorted(by_launch[launch["args"]["correlation"]], key=lambda e: float(e["ts"]))
         start, end = float(kernels[0]["ts"]), max(float(e["ts"]) + float(e["dur"]) for e in kernels)

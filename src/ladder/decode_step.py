@@ -7,10 +7,36 @@ as booleans (their schema predates this value), and `DecodeStep.of_record` reads
 
 from __future__ import annotations
 
+import json
+import os
 from enum import Enum
 from typing import Any
 
 from ladder.errors import LadderError
+
+INDUCTOR_OPTIONS_VARIABLE = "LADDER_INDUCTOR_OPTIONS"
+"""A JSON object of inductor options that every compile of a decode step (`--compile`, `--compile-layers`)
+adds to its own, to measure them on a GPU (scripts/gpu_checks.sh, step `variants`), e.g.
+'{"coordinate_descent_tuning": true}' (gpt-fast's setting: each Triton kernel's block sizes tuned)."""
+
+
+def inductor_options() -> dict[str, Any]:
+    """The options LADDER_INDUCTOR_OPTIONS gives (none when it is unset)."""
+    text = os.environ.get(INDUCTOR_OPTIONS_VARIABLE)
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LadderError(f"{INDUCTOR_OPTIONS_VARIABLE} is not JSON ({e.msg}): {text}") from None
+    if not isinstance(options, dict):
+        raise LadderError(f"{INDUCTOR_OPTIONS_VARIABLE} must be a JSON object of inductor options, got {text}")
+    import torch._inductor.config as inductor_config
+
+    unknown = sorted(set(options) - set(inductor_config.get_config_copy()))
+    if unknown:
+        raise LadderError(f"{INDUCTOR_OPTIONS_VARIABLE}: inductor has no option {', '.join(map(repr, unknown))}")
+    return options
 
 
 class DecodeStep(Enum):

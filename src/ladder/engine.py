@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,13 +34,14 @@ from typing import Any
 import torch
 
 from ladder.comm.emulated import trace_emulated_launches
-from ladder.decode_step import DecodeStep
+from ladder.decode_step import DecodeStep, inductor_options
 from ladder.errors import LadderError
 from ladder.inductor_fix import keep_mutation_renames
 from ladder.limits import check_context, check_token_ids
 from ladder.model import Transformer
 from ladder.packing import weights_for_step
 from ladder.sampling import SamplingBatch, SamplingParams, row_generators, sample
+from ladder.step_clock import Lap, StepClock, to_device
 
 TokenCallback = Callable[[torch.Tensor], None]
 """Called with each new token column (B,) as soon as it is sampled (for streaming)."""
@@ -73,11 +73,6 @@ class GenerationResult:
         return max((len(t) for t in self.tokens), default=0)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Engine:
     """Runs a `Transformer`'s forwards for generation, its decode step run as `step` says (`DecodeStep`):
     - eager;
@@ -96,6 +91,8 @@ class Engine:
         if step.captures_cuda_graph and self.device.type != "cuda":
             raise LadderError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
         weights_for_step(model, step)  # oneDNN's packed layout for an eager step on CPU
+        if kernel := os.environ.get(DECODE_ATTENTION_VARIABLE):
+            model.use_decode_attention(kernel)
         self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, model)
         if step.compiles_step:
             self._forward = compile_step(self._forward, self.device)
@@ -144,17 +141,18 @@ class Engine:
     def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Logits (D, V) of one step of the sequences in cache rows 0..D-1: `tokens` (D,), each at its own
         position. With CUDA graphs, overwritten by the next step: sample from them first."""
-        tokens = torch.as_tensor(tokens, device=self.device).view(-1, 1)  # (D, 1)
+        tokens = tokens.to(self.device) if isinstance(tokens, torch.Tensor) else to_device(tokens, self.device)
+        tokens = tokens.view(-1, 1)  # (D, 1)
         D, longest = tokens.shape[0], max(positions) + 1
         if self.step is DecodeStep.EAGER:
-            return self._forward(tokens, torch.tensor(positions, device=self.device)[:, None],
+            return self._forward(tokens, to_device(positions, self.device)[:, None],
                                  kv_len=kv_blocks(longest, self.max_seq))
         batch = next(n for n in self.batch_sizes if n >= D)
         kv_len = next(n for n in self.kv_lens if n >= longest)
         if batch > D:
             tokens = torch.cat([tokens, tokens.new_zeros(batch - D, 1)])
             positions = [*positions, *[self.scratch_position] * (batch - D)]
-        return self._step_at(batch, kv_len)(tokens, torch.tensor(positions, device=self.device)[:, None])[:D]
+        return self._step_at(batch, kv_len)(tokens, to_device(positions, self.device)[:, None])[:D]
 
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         """The last logits (P, V) of every chunk, in one forward over consecutive rows from chunks[0].row,
@@ -164,7 +162,7 @@ class Engine:
         positions = [[self.scratch_position] * (longest - len(c.tokens)) + list(range(c.start, c.start + len(c.tokens)))
                      for c in chunks]
         rows = slice(chunks[0].row, chunks[0].row + len(chunks))
-        return self._prefill(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device),
+        return self._prefill(to_device(tokens, self.device), to_device(positions, self.device),
                              rows, max(c.start + len(c.tokens) for c in chunks))
 
     def prefill_prompts(self, prompts: torch.Tensor) -> torch.Tensor:
@@ -203,9 +201,11 @@ class Engine:
     @torch.inference_mode()
     def start(self, prompt: torch.Tensor, max_new_tokens: int,
               sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
-              on_token: TokenCallback | None = None, max_seq: int | None = None) -> Generation:
+              on_token: TokenCallback | None = None, max_seq: int | None = None,
+              clock: StepClock | None = None) -> Generation:
         """A generation that runs when stepped (`Generation.step`); `generate` steps it to the end.
-        `max_seq`: the cache's length (default: the prompt and its new tokens), one shape for many prompts."""
+        `max_seq`: the cache's length (default: the prompt and its new tokens), one shape for many prompts.
+        `clock`: shared by generations that take turns on one device (default: the generation's own)."""
         if prompt.dim() != 2 or prompt.shape[1] == 0:
             raise LadderError("prompt must be a non-empty (batch, length) tensor of token ids")
         if max_new_tokens < 1:
@@ -216,7 +216,7 @@ class Engine:
         check_context(T, max_new_tokens, self.model.config.max_seq_len)
         check_context(T, max_new_tokens, max_seq, "the KV cache of {limit} tokens")
         self.reserve(B, max_seq)
-        return Generation(self, prompt.to(self.device), max_new_tokens, sampling, stop_ids, on_token)
+        return Generation(self, prompt.to(self.device), max_new_tokens, sampling, stop_ids, on_token, clock)
 
 
 def decode_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -245,6 +245,10 @@ def powers_of_two_up_to(least: int, most: int) -> list[int]:
 # (inductor reads `freezing` outside a compile's options: `_with_frozen_weights` sets it.)
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 CPU_GEMM_TEMPLATES_VARIABLE = "LADDER_CPU_GEMM_TEMPLATES"
+DECODE_ATTENTION_VARIABLE = "LADDER_DECODE_ATTENTION"
+"""sdpa, products or flex: how a compiled decode step attends (`ladder.model.decode_attention_kernel`), to
+measure them against each other on a GPU (scripts/gpu_checks.sh, step `variants`); unset: the device's
+default."""
 
 
 def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
@@ -254,7 +258,7 @@ def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Cal
     `keep_mutation_renames` keeps inductor's CPU fusion from reading that result before the wait."""
     templates = device.type == "cpu" and cpu_gemm_templates()
     options = {"triton.cudagraphs": device.type == "cuda", "reorder_for_locality": False,
-               **(CPU_GEMM_TEMPLATES if templates else {})}
+               **(CPU_GEMM_TEMPLATES if templates else {}), **inductor_options()}
     trace_emulated_launches()
     keep_mutation_renames()
     # Entries of its own (torch.compile shares them among every compile of one function), so that the
@@ -337,14 +341,17 @@ class Generation:
     """One generation, advanced one step at a time: the prefill, then one decode step per new token.
 
     `Engine.generate` steps one to the end. A benchmark can step several, one per model, in turns,
-    so that a machine whose speed drifts slows them alike; each keeps the time of its own steps. Two
-    generations of one model cannot take turns: they would share its KV cache.
+    so that a machine whose speed drifts slows them alike; they share one `StepClock`, so that each
+    times its own steps. Two generations of one model cannot take turns: they would share its KV cache.
+    A step does not wait for the device (unless a stop id or `on_token` needs the tokens on the host):
+    on a GPU the next step is queued while this one runs, and the times are read at the end.
     """
 
     def __init__(self, engine: Engine, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
-                 stop_ids: Sequence[int], on_token: TokenCallback | None) -> None:
+                 stop_ids: Sequence[int], on_token: TokenCallback | None, clock: StepClock | None = None) -> None:
         self.engine, self.prompt, self.max_new_tokens = engine, prompt, max_new_tokens
         self.sampling, self.stop_ids, self.on_token = sampling, stop_ids, on_token
+        self.clock = clock or StepClock(engine.device)
         rows = prompt.shape[0]
         self.sampling_rows = SamplingBatch.of([sampling] * rows, row_generators(sampling.seed, rows, engine.device),
                                               engine.model.config.vocab_size, engine.device)
@@ -352,39 +359,36 @@ class Generation:
         self.out: list[torch.Tensor] = []  # the sampled token columns (B,)
         self.done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=engine.device)
         self.finished = False
-        self.prefill_s = 0.0
-        self.decode_s = 0.0  # the decode steps' own time, bookkeeping and callbacks included
-        self.latencies: list[float] = []  # per decode step: the model and sampling, synchronised
+        self.laps: list[Lap] = []  # the prefill's, then one per decode step: model, sampling, and the
+        # host's work since the previous step where the device waited for it
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Run the next step (the prefill first), synchronised: its time is its own."""
+        """Queue the next step (the prefill first)."""
         if self.finished:
             raise RuntimeError("this generation is finished")
-        device, (B, T) = self.engine.device, self.prompt.shape
-        synchronize(device)
-        start = time.perf_counter()
+        if not self.clock.running:
+            self.clock.start()
+        B, T = self.prompt.shape
         if not self.out:
             token = sample(self.engine.prefill_prompts(self.prompt), self.sampling_rows)  # (B,)
-            synchronize(device)
-            self.prefill_s = time.perf_counter() - start
         else:
-            logits = self.engine.decode(self.out[-1], [T + len(self.out) - 1] * B)
-            token = sample(logits, self.sampling_rows)
-            token = torch.where(self.done, self.out[-1], token)  # finished rows repeat their stop token
-            synchronize(device)
-            self.latencies.append(time.perf_counter() - start)
+            token = sample(self.engine.decode(self.out[-1], [T + len(self.out) - 1] * B), self.sampling_rows)
+            if self.stop_ids:
+                token = torch.where(self.done, self.out[-1], token)  # finished rows repeat their stop token
+        self.laps.append(self.clock.lap())
         self.out.append(token)
-        self.done |= torch.isin(token, self.stop)
         if self.on_token:
             self.on_token(token)
-        self.finished = len(self.out) == self.max_new_tokens or bool(self.done.all())
-        if len(self.out) > 1:
-            self.decode_s += time.perf_counter() - start
+        if self.stop_ids:
+            self.done |= torch.isin(token, self.stop)
+        self.finished = len(self.out) == self.max_new_tokens or (bool(self.stop_ids) and bool(self.done.all()))
 
     def result(self) -> GenerationResult:
-        return GenerationResult(_trim(torch.stack(self.out, dim=1), self.stop_ids), self.prefill_s,
-                                self.decode_s, self.latencies)
+        """The tokens and the steps' times (on a GPU, once every step has run)."""
+        seconds = [lap.seconds() for lap in self.laps]
+        return GenerationResult(_trim(torch.stack(self.out, dim=1), self.stop_ids), seconds[0], sum(seconds[1:]),
+                                seconds[1:])
 
 
 def eager_if(condition: bool) -> contextlib.AbstractContextManager:

@@ -13,6 +13,7 @@ communicator it is built with and never mutates the config.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 
 from ladder.config import ModelConfig, ShardShape, cpu_computes_in_bf16
 from ladder.comm.base import Communicator, Done, Handle, LocalCommunicator
+from ladder.decode_step import inductor_options
 from ladder.errors import LadderError
 
 CPU_COMPUTES_IN_BF16 = cpu_computes_in_bf16()  # else half-precision attention and linears run upcast
@@ -79,13 +81,18 @@ def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_PRECISION and not CPU_COMPUTES_IN_BF16 else dtype
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           decode_kernel: str | None = None) -> torch.Tensor:
     """Scaled dot-product attention (causal without a mask), in float32 where the tensors are half precision
     on a CPU without bf16 arithmetic: AVX2 emulates bf16, and SmolLM2's decode attention ran 2.5x slower
-    in it than upcast (the KV cache stays in the model's dtype)."""
+    in it than upcast (the KV cache stays in the model's dtype). A compiled decode step's attention runs
+    as `decode_kernel` says (`decode_attention_kernel`)."""
     dtype = q.dtype
-    if compiles_cpu_decode_attention(q, k, mask):
+    kernel = decode_attention_kernel(q, k, mask, decode_kernel)
+    if kernel == "products":
         return decode_attention(q, k, v, mask).to(dtype)
+    if kernel == "flex":
+        return flex_decode_attention(q, k, v, mask)
     if q.device.type == "cpu":
         q, k, v = (t.to(cpu_compute_dtype(dtype)) for t in (q, k, v))
     if mask is None:
@@ -97,12 +104,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 # attentions of SmolLM2's shape in one graph took 1.9 ms against ATen's flash kernel's 5.7 at 256 positions,
 # 15 against 25 at 2048, and as long at 4096 (experiments/investigations/decode_attention.py).
 DECODE_ATTENTION_MAX_POSITIONS = 4096
+DECODE_ATTENTION_KERNELS = ("sdpa", "products", "flex")
 
 
-def compiles_cpu_decode_attention(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether this attention is one query a row (a decode step), on CPU, inside a torch.compile."""
-    return (q.device.type == "cpu" and q.shape[2] == 1 and mask is not None
-            and k.shape[2] <= DECODE_ATTENTION_MAX_POSITIONS and torch.compiler.is_compiling())
+def decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, chosen: str | None) -> str:
+    """How an attention runs: "sdpa" (ATen's `scaled_dot_product_attention`) unless it is one query a row
+    (a decode step) inside a torch.compile. There, `chosen` (one of DECODE_ATTENTION_KERNELS); by default
+    "products" on a CPU up to DECODE_ATTENTION_MAX_POSITIONS, else "sdpa"."""
+    if not (q.shape[2] == 1 and mask is not None and torch.compiler.is_compiling()):
+        return "sdpa"
+    if chosen is not None:
+        return chosen
+    return "products" if q.device.type == "cpu" and k.shape[2] <= DECODE_ATTENTION_MAX_POSITIONS else "sdpa"
+
+
+def flex_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one query a row through FlexAttention (compiled only): on a GPU its decoding kernel, which
+    splits the cache among thread blocks, with the mask (B, 1, 1, S) applied to the scores."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    visible = mask[:, 0, 0]  # (B, S)
+
+    def hide_the_invisible(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                           kv_idx: torch.Tensor) -> torch.Tensor:
+        return torch.where(visible[b, kv_idx], score, -float("inf"))
+    return flex_attention(q, k, v, score_mod=hide_the_invisible, enable_gqa=True)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -168,6 +194,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)  # row-parallel
         self.kv_cache: KVCache | None = None
+        self.decode_kernel: str | None = None  # a compiled decode step's attention (`decode_attention_kernel`)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
                 mask: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor:
@@ -182,7 +209,7 @@ class Attention(nn.Module):
             k, v = self.kv_cache.update(input_pos, k, v, rows, mask.shape[-1])  # (B, n_kv, S, hd)
         else:
             mask = None  # no cache: the prompt attends to itself, causally
-        y = attend(q, k, v, mask)
+        y = attend(q, k, v, mask, self.decode_kernel)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, n_heads * hd)
         return project(self.wo, y)  # (B, T, dim), partial
 
@@ -313,6 +340,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin[0, 0], persistent=False)
         self.max_batch, self.max_seq = max_batch, max_seq
 
+    def use_decode_attention(self, kernel: str | None) -> None:
+        """Every layer's compiled decode steps attend through `kernel` (None: the device's default;
+        `decode_attention_kernel`). Set it before the step compiles."""
+        if kernel is not None and kernel not in DECODE_ATTENTION_KERNELS:
+            raise LadderError(f"unknown decode attention {kernel!r}: pick one of {', '.join(DECODE_ATTENTION_KERNELS)}")
+        for layer in self.layers:
+            layer.attention.decode_kernel = kernel
+
     def compile_layers(self) -> None:
         """Regional compilation, in place: torch.compile each layer's steps (residual add + norm +
         attention and residual add + norm + MLP, or parallel's pair under one norm), not the whole forward.
@@ -324,11 +359,12 @@ class Transformer(nn.Module):
         kernel only compiled (eager, it casts the whole table to the activations' dtype every call).
         Forwards that should not compile (a prefill's many lengths) run under
         `torch.compiler.set_stance("force_eager")`."""
+        compile_one = functools.partial(torch.compile, fullgraph=True, dynamic=False, options=inductor_options() or None)
         for layer in self.layers:
             for name in Block.STEPS:
                 step = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
-                setattr(layer, name, torch.compile(step, fullgraph=True, dynamic=False))
-        self.head = torch.compile(Transformer.head.__get__(self), fullgraph=True, dynamic=False)
+                setattr(layer, name, compile_one(step))
+        self.head = compile_one(Transformer.head.__get__(self))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, 1, T, hd) of each row's positions (B, T), to broadcast over heads."""

@@ -26,12 +26,13 @@ from ladder.comm.distributed import from_every_rank, init_distributed, pick_devi
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.launch import under_torchrun
 from ladder.config import DTYPE_BYTES
-from ladder.engine import Engine, GenerationResult, synchronize
+from ladder.engine import Engine, GenerationResult
 from ladder.errors import LadderError
 from ladder.memory import MEMORY_USABLE, available_memory_bytes, estimate_memory_bytes, fits_in, kv_cache_bytes
 from ladder.model import Transformer
 from ladder.packing import weight_bytes
 from ladder.sampling import SamplingParams
+from ladder.step_clock import StepClock, synchronize
 from ladder.weights import share_weights
 
 
@@ -172,7 +173,8 @@ def generate_in_turns(engines: Sequence[Engine], prompt: torch.Tensor, gen_len: 
     """One generation per engine (one per layout, each with its own KV cache), stepped in turns: every
     prefill, then every first decode step, and so on, each turn in its own order (`turn_order`). Each
     result times only its own steps."""
-    generations = [engine.start(prompt, gen_len, sampling) for engine in engines]
+    clock = StepClock(engines[0].device)
+    generations = [engine.start(prompt, gen_len, sampling, clock=clock) for engine in engines]
     for turn in itertools.count(shift * (gen_len + 1)):
         if all(g.finished for g in generations):
             break
