@@ -31,9 +31,12 @@
 #     SMALL_BATCHES once per VARIANTS entry, each alone in a process with one setting of its own, a results file
 #     and a trace folder each (variants/NAME.jsonl, traces/variants/NAME), then a table against the first
 #     (variants.md: experiments/gpu/decode_variants.py) and each trace's kernels. Entries: sdpa (the default),
-#     flex and products (LADDER_DECODE_ATTENTION), coordinate-descent (LADDER_INDUCTOR_OPTIONS, gpt-fast's Triton
-#     tuning), baseline (an earlier package, BASELINE_SRC=its src folder: e.g. 060e950's, which waited for
-#     the GPU after every step; `git archive 060e950 src | tar -x -C .gpu-baseline`, carry .gpu-baseline).
+#     flex and products (LADDER_DECODE_ATTENTION); through LADDER_INDUCTOR_OPTIONS coordinate-descent (gpt-fast's
+#     tuning of each Triton kernel's blocks), autotune-gemm (Triton GEMM templates against cuBLAS, whose batch-1
+#     GEMVs end in split-K reductions) and gemv-reductions (batch-1 GEMMs as reductions inductor can fuse);
+#     baseline (an earlier package, BASELINE_SRC=its src folder: e.g. 060e950's, which waited for the GPU
+#     after every step: `git archive 060e950 src | tar -x -C .gpu-baseline`, carry .gpu-baseline; its records
+#     say the checkout's commit).
 # STEPS picks and orders them (default: all, in the order 0 env, tests, small, shard, shard-compiled, compare,
 # hybrid, quantized, peer, server, then variants); DEADLINE_S (seconds) stops the script's steps in time for
 # the caller to copy the results back (a ladder bench stopped by it keeps what it measured; --resume goes on).
@@ -79,10 +82,12 @@ step_compiled_70b=${STEP_COMPILED_70B---compile-layers --cuda-graph}
 hybrid_layers=${HYBRID_LAYERS:-20,40,60}
 hybrid_batches=${HYBRID_BATCHES-1}
 quantize_batches=${QUANTIZE_BATCHES-1}
-variants=${VARIANTS:-sdpa,flex,coordinate-descent,products}
+variants=${VARIANTS:-sdpa,coordinate-descent,flex,autotune-gemm,products,gemv-reductions}
 declare -A variant_setting=([sdpa]="LADDER_DECODE_ATTENTION=sdpa" [flex]="LADDER_DECODE_ATTENTION=flex"
     [products]="LADDER_DECODE_ATTENTION=products" [baseline]="PYTHONPATH=${BASELINE_SRC:-}"
-    [coordinate-descent]='LADDER_INDUCTOR_OPTIONS={"coordinate_descent_tuning": true}')
+    [coordinate-descent]='LADDER_INDUCTOR_OPTIONS={"coordinate_descent_tuning": true}'
+    [autotune-gemm]='LADDER_INDUCTOR_OPTIONS={"max_autotune_gemm": true, "coordinate_descent_tuning": true}'
+    [gemv-reductions]='LADDER_INDUCTOR_OPTIONS={"decompose_mem_bound_mm": true, "coordinate_descent_tuning": true}')
 prompt=${PROMPT_LEN:-1024}
 gen=${GEN_LEN:-512}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
