@@ -51,12 +51,18 @@
 # The layouts of a configuration share one process and its weights and take turns (--interleave).
 # What is still unmeasured after the H200 leases and the H100 lease of 2026-11-26 (results/gpu/h200/report.md,
 # results/gpu/h100/report.md), in the order a 15-minute lease gets most from (a call of about 8 minutes,
-# then one of about 5 on the warm machine):
-#   STEPS=env,tests,quantized,hybrid RESULTS=.gpu-results DEADLINE_S=480 QUANTIZE_BATCHES=1 HYBRID_BATCHES=1,16 \
-#     COMPILE="--compile-layers --cuda-graph" STEP_70B="--compile-layers --cuda-graph" RUNS=2 bash scripts/gpu_checks.sh
-#   (carry .whl with torchao; torchao's int8 compile of the 8B took over 100 s), then
-#   STEPS=shard-compiled COMPILED_BATCHES=64,16 LAYOUTS_70B=standard,parallel,ladder,upper-bound on an H100
-#   (batch 1 and 4 measured there), or COMPILED_BATCHES=1,64 LAYOUTS_70B=parallel on an H200.
+# then one of about 5 on the warm machine). First the decode step's variants against the one measured before
+# (carry .gpu-baseline, made as step 11 says, and .whl with torchao for the quantized CUDA tests):
+#   STEPS=env,tests,variants VARIANTS=baseline,sdpa,coordinate-descent,flex,autotune-gemm,products RESULTS=.gpu-results \
+#     DEADLINE_S=480 COMPILE="--compile-layers --cuda-graph" SMALL_BATCHES=1 RUNS=2 BASELINE_SRC=.gpu-baseline/src \
+#     bash scripts/gpu_checks.sh
+# then, with the best variant's setting exported, the 70B shard's step on it (the issue's 8.5 ms):
+#   STEPS=shard-compiled COMPILED_BATCHES=1 LAYOUTS_70B=standard,ladder,upper-bound DEADLINE_S=300 RUNS=2 ...
+# and in later leases what the earlier ones left:
+#   STEPS=quantized,hybrid QUANTIZE_BATCHES=1 HYBRID_BATCHES=1,16 STEP_70B="--compile-layers --cuda-graph"
+#   (torchao's int8 compile of the 8B took over 100 s), and STEPS=shard-compiled COMPILED_BATCHES=64,16
+#   LAYOUTS_70B=standard,parallel,ladder,upper-bound on an H100 (batch 1 and 4 measured there), or
+#   COMPILED_BATCHES=1,64 LAYOUTS_70B=parallel on an H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

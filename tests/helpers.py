@@ -194,18 +194,23 @@ def overlapped_modules(events: list[tuple[str, int]]) -> list[bool]:
     return [index[("compute", j + 1)] < index[("wait", j)] for j in range(n - 1)]
 
 
-def in_flight_at_each_wait(events: list[dict], launch: str, waits: tuple[str, ...]) -> list[int]:
+def in_flight_at_each_wait(events: list[dict], launch: str, waits: tuple[str, ...],
+                           blocking: tuple[str, ...] = ()) -> list[int]:
     """From a profiler trace: how many collectives were launched and not yet waited on when each wait
     began. Counted from the first launch, on the outermost events (the profiler nests an op's
-    implementation in the op, and a wait op may call another wait inside)."""
-    ops = sorted((e for e in events if e.get("name") in (launch, *waits) and e.get("ph") == "X"),
+    implementation in the op, and a wait op may call another wait inside). A `blocking` op is a
+    collective that returns its result reduced (launched and waited on at once): a wait, with itself in
+    flight."""
+    ops = sorted((e for e in events if e.get("name") in (launch, *waits, *blocking) and e.get("ph") == "X"),
                  key=lambda e: e["ts"])
-    ops = ops[next(i for i, e in enumerate(ops) if e["name"] == launch):]
+    ops = ops[next(i for i, e in enumerate(ops) if e["name"] in (launch, *blocking)):]
     outermost = [e for i, e in enumerate(ops) if not any(o["ts"] + o["dur"] >= e["ts"] + e["dur"] for o in ops[:i])]
     in_flight, counts = 0, []
     for e in outermost:
         if e["name"] == launch:
             in_flight += 1
+        elif e["name"] in blocking:
+            counts.append(in_flight + 1)
         else:
             counts.append(in_flight)
             in_flight -= 1

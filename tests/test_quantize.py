@@ -85,7 +85,7 @@ def test_a_cpu_int4_weight_quantized_in_row_chunks_is_torchaos_whole_weight():
 
     ao = quantize_module._torchao()
     linear = torch.nn.Linear(64, 160, bias=False).to(torch.bfloat16)
-    chunked = quantize_module.int4_in_row_chunks(ao, linear.weight, rows=96)  # the last chunk short
+    chunked = quantize_module.int4_in_row_chunks(ao, linear.weight, rows=128)  # the last chunk short
     ao.quantize_(linear, PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False))
     assert torch.equal(chunked.qdata, linear.weight.qdata)
     assert torch.equal(chunked.scale_and_zero, linear.weight.scale_and_zero)

@@ -193,13 +193,16 @@ def test_vllm_keeps_ladders_overlap_at_tp2(tiny_tp2):
     """Each rank's trace of one generation (12 steps), compiled: when an all-reduce of the ladder model is
     waited on, the next module's all-reduce is already launched (two in flight), as in ladder's own model;
     only the last module's is exposed. The first of each step is the vocabulary-parallel embedding's, which
-    vLLM waits for at once. (inductor runs each all-reduce in place on a copy: `all_reduce_`.)"""
+    vLLM waits for at once: through c10d, or on a CPU with AVX-512 through vLLM's shared-memory all-reduce
+    (`_C::shm_allreduce`, which returns the sum). (inductor runs each all-reduce in place on a copy:
+    `all_reduce_`.)"""
     results, _ = tiny_tp2
     per_step = [1] + [2] * 11 + [1]  # the embedding's, then 6 layers: 12 modules
     for trace in results["tiny-ladder-6"]["traces"]:
         events = json.loads(Path(trace).read_text())["traceEvents"]
         at_each_wait = in_flight_at_each_wait(events, "_c10d_functional::all_reduce_",
-                                              ("_c10d_functional::wait_tensor", "ladder::wait_after"))
+                                              ("_c10d_functional::wait_tensor", "ladder::wait_after"),
+                                              blocking=("_C::shm_allreduce",))
         assert at_each_wait == per_step * NEW_TOKENS
 
 

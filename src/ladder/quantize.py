@@ -37,7 +37,9 @@ INT4_GROUP = 32
 # Quantized this many rows at a time: an int8 head (float32 temporaries of 2.4 MB for SmolLM2), a CPU int4
 # linear (int32 ones of 2.4 MB for SmolLM2's gate/up, 7.1 MB whole).
 CHUNK_ROWS = 1024
-INT4_CPU_PACKED_ROWS = 32  # `_convert_weight_to_int4pack_for_cpu` interleaves rows in blocks of this many
+# `_convert_weight_to_int4pack_for_cpu` interleaves rows in blocks of 64 where ATen's kernels use AVX-512 and
+# of 32 with AVX2: chunks of a multiple of the larger split neither.
+INT4_CPU_PACKED_ROWS = 64
 INSTALL_HINT = 'pip install "ladder[quantize]"  (torchao)'
 
 
