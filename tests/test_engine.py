@@ -212,6 +212,9 @@ def test_each_decode_attention_kernel_gives_eager_tokens(kernel, traces, monkeyp
     monkeypatch.setenv(DECODE_ATTENTION_VARIABLE, "paged")
     with pytest.raises(LadderError, match="unknown decode attention 'paged': pick one of sdpa, products, flex"):
         Engine(model)
+    monkeypatch.setenv(DECODE_ATTENTION_VARIABLE, "flex")
+    with pytest.raises(LadderError, match="flex compiles on a CPU with --compile-layers, not --compile"):
+        Engine(make_model(tiny(layout="ladder")), DecodeStep.COMPILED)
 
 
 def test_inductor_options_reach_every_compiled_step_and_bad_ones_are_refused(monkeypatch):

@@ -92,6 +92,7 @@ class Engine:
             raise LadderError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
         weights_for_step(model, step)  # oneDNN's packed layout for an eager step on CPU
         if kernel := os.environ.get(DECODE_ATTENTION_VARIABLE):
+            check_decode_attention(kernel, step, self.device)
             model.use_decode_attention(kernel)
         self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, model)
         if step.compiles_step:
@@ -249,6 +250,13 @@ DECODE_ATTENTION_VARIABLE = "LADDER_DECODE_ATTENTION"
 """sdpa, products or flex: how a compiled decode step attends (`ladder.model.decode_attention_kernel`), to
 measure them against each other on a GPU (scripts/gpu_checks.sh, step `variants`); unset: the device's
 default."""
+
+
+def check_decode_attention(kernel: str, step: DecodeStep, device: torch.device) -> None:
+    """Refuses the one pairing that cannot compile: inductor's CPU FlexAttention takes its mask only from the
+    graph's inputs, and a whole compiled step computes the mask inside."""
+    if kernel == "flex" and step.compiles_step and device.type == "cpu":
+        raise LadderError(f"{DECODE_ATTENTION_VARIABLE}=flex compiles on a CPU with --compile-layers, not --compile")
 
 
 def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
