@@ -7,8 +7,8 @@ import torch
 
 from helpers import CPU, make_model, tiny
 from ladder.comm.base import LocalCommunicator
-from ladder.decode_step import INDUCTOR_OPTIONS_VARIABLE, DecodeStep
-from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE, DECODE_ATTENTION_VARIABLE, Engine
+from ladder.decode_step import DECODE_ATTENTION_VARIABLE, INDUCTOR_OPTIONS_VARIABLE, DecodeStep
+from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE, Engine
 from ladder.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.errors import LadderError
 from ladder.step_clock import StepClock

@@ -14,6 +14,10 @@ from typing import Any
 
 from ladder.errors import LadderError
 
+DECODE_ATTENTION_VARIABLE = "LADDER_DECODE_ATTENTION"
+"""sdpa, products or flex: how a compiled decode step attends (`ladder.model.decode_attention_kernel`), to
+measure them against each other on a GPU (scripts/gpu_checks.sh, step `variants`); unset: the device's
+default."""
 INDUCTOR_OPTIONS_VARIABLE = "LADDER_INDUCTOR_OPTIONS"
 """A JSON object of inductor options that every compile of a decode step (`--compile`, `--compile-layers`)
 adds to its own, to measure them on a GPU (scripts/gpu_checks.sh, step `variants`), e.g.

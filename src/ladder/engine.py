@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ladder.comm.emulated import trace_emulated_launches
-from ladder.decode_step import DecodeStep, inductor_options
+from ladder.decode_step import DECODE_ATTENTION_VARIABLE, DecodeStep, inductor_options
 from ladder.errors import LadderError
 from ladder.inductor_fix import keep_mutation_renames
 from ladder.limits import check_context, check_token_ids
@@ -246,10 +246,6 @@ def powers_of_two_up_to(least: int, most: int) -> list[int]:
 # (inductor reads `freezing` outside a compile's options: `_with_frozen_weights` sets it.)
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 CPU_GEMM_TEMPLATES_VARIABLE = "LADDER_CPU_GEMM_TEMPLATES"
-DECODE_ATTENTION_VARIABLE = "LADDER_DECODE_ATTENTION"
-"""sdpa, products or flex: how a compiled decode step attends (`ladder.model.decode_attention_kernel`), to
-measure them against each other on a GPU (scripts/gpu_checks.sh, step `variants`); unset: the device's
-default."""
 
 
 def check_decode_attention(kernel: str, step: DecodeStep, device: torch.device) -> None:
