@@ -86,7 +86,7 @@ def main() -> None:
             print(json.dumps(records[-1]), flush=True)
         run = Path(args.runs_dir) / f"ladder{n}"
         config = TrainConfig(preset=None, model=args.model, layout="ladder", ladder_layers=n,
-                             train_only_ladder_layers=n > 0, data=["shakespeare:train"], heldout=[],
+                             trainable="converted" if n > 0 else "all", data=["shakespeare:train"], heldout=[],
                              seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size,
                              micro_batch_size=args.batch_size // 2, lr=args.lr, min_lr=args.lr / 10,
                              warmup_steps=max(1, args.steps // 10), checkpoint_every=args.steps, keep_checkpoints=1,

@@ -42,7 +42,7 @@ def heldout_perplexity(folder: Path, texts: dict[str, list[int]]) -> dict[str, f
 def ladder_route(args: argparse.Namespace, n: int, seed: int, runs: Path) -> Path:
     run = runs / f"ladder-train-N{n}-seed{seed}"
     config = TrainConfig(preset=None, model=args.model, layout="ladder", ladder_layers=n,
-                         train_only_ladder_layers=True, data=["shakespeare:train"], heldout=[],
+                         trainable="converted", data=["shakespeare:train"], heldout=[],
                          seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size,
                          micro_batch_size=args.batch_size // 2, lr=args.lr, min_lr=args.lr / 10,
                          warmup_steps=max(1, args.steps // 10), checkpoint_every=args.steps, keep_checkpoints=1,
@@ -60,7 +60,7 @@ def transformers_route(args: argparse.Namespace, n: int, seed: int, runs: Path) 
                                                               dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(converted), trust_remote_code=True)
     first = model.config.num_hidden_layers - n
-    for name, p in model.named_parameters():  # as ladder's train_only_ladder_layers: the converted layers
+    for name, p in model.named_parameters():  # as ladder's trainable=converted: the converted layers
         p.requires_grad = name.startswith("model.layers.") and int(name.split(".")[2]) >= first
     sequences = pack(read_texts(["shakespeare:train"]), _LadderStyleTokenizer(tokenizer), args.seq_len)
     dataset = [{"input_ids": s, "labels": s} for s in sequences]  # the model shifts the labels itself

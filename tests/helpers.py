@@ -7,14 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from ladder.bench.serve_load import descendants, free_port  # noqa: F401 (descendants: for the tests)
+from ladder.bench.serve_load import descendants, free_port, wait_until_healthy  # noqa: F401 (descendants: for the tests)
 from ladder.cli.main import main
 from ladder.config import ModelConfig, get_preset
+from ladder.errors import LadderError
 from ladder.comm.base import Communicator, Handle, LocalCommunicator
 from ladder.comm.distributed import init_distributed, shutdown_distributed
 from ladder.model import Transformer
@@ -82,6 +84,45 @@ def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Se
                 for rank, node in enumerate(nodes)]
         raise AssertionError(f"two torchrun nodes still running after {timeout:g} s\n" + "\n".join(said)) from None
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]
+
+
+class Server:
+    """`ladder serve ARGS` on a free port, ready when /health says 200."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180,
+                 api_key: str = "none") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.marker = uuid.uuid4().hex  # finds this server's worker processes
+        self.proc = subprocess.Popen([sys.executable, "-m", "ladder", "serve", *args, "--port", str(self.port)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "LADDER_TEST_SERVER": self.marker, **(env or {})})
+        try:
+            wait_until_healthy(self.url, [self.proc], startup_s)
+        except LadderError as exc:
+            self.stop()
+            raise AssertionError(f"{exc}: {self.proc.stderr.read()}") from None
+        import openai  # (the server's tests' client: only they pay for its import)
+
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def metric(self, name: str, **labels: str) -> float:
+        import httpx
+
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
 
 
 def ladder_lines(stderr: str, prefix: str = "ladder:") -> list[str]:

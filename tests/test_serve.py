@@ -21,50 +21,15 @@ from ladder.checkpoint.hf import save_random_hf
 from ladder.comm.base import LocalCommunicator
 from ladder.config import get_preset
 from ladder.engine import Engine
-from ladder.errors import LadderError
+from ladder.spec import ModelSpec
 from ladder.weights import random_model
 
-from helpers import free_port, ladder_cli, ladder_in_process
+from helpers import Server, free_port, ladder_cli, ladder_in_process
 
 openai = pytest.importorskip("openai")
 
 SMOLLM = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
-
-
-class Server:
-    """`ladder serve ARGS` on a free port, ready when /health says 200."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180,
-                 api_key: str = "none") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.marker = uuid.uuid4().hex  # finds this server's worker processes
-        self.proc = subprocess.Popen([sys.executable, "-m", "ladder", "serve", *args, "--port", str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "LADDER_TEST_SERVER": self.marker, **(env or {})})
-        try:
-            wait_until_healthy(self.url, [self.proc], startup_s)
-        except LadderError as exc:
-            self.stop()
-            raise AssertionError(f"{exc}: {self.proc.stderr.read()}") from None
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
-        self.model = self.client.models.list().data[0].id
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-
-    def metric(self, name: str, **labels: str) -> float:
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +100,34 @@ def test_a_stop_string_across_a_token_boundary_is_never_emitted(smollm):
     assert "".join(streamed) == expected
 
 
+def test_echo_with_logprobs_gives_the_prompt_log_probabilities_the_model_computes(smollm):
+    """What lm-eval's local-completions sends: the prompt as ids, echo, logprobs=1, max_tokens 0 or 1. The
+    server prefills in chunks of 16 tokens (--max-num-batched-tokens); one forward over the whole prompt
+    here, so a chunk border that lost a position or a target would show."""
+    loaded = ModelSpec(model=SMOLLM, dtype="float32").load(LocalCommunicator(), torch.device("cpu"))
+    ids = loaded.tokenizer.encode("The three primary colors are red, blue and yellow. The capital of France is")
+    with torch.no_grad():
+        logp = torch.log_softmax(loaded.model(torch.tensor([ids])).float()[0], dim=-1)  # (T, V)
+    expected = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    for max_tokens in (0, 1):
+        answer = smollm.client.completions.create(model=smollm.model, prompt=[ids], echo=True, logprobs=1,
+                                                  max_tokens=max_tokens, temperature=0)
+        logprobs = answer.choices[0].logprobs
+        assert len(logprobs.tokens) == len(ids) + max_tokens and logprobs.token_logprobs[0] is None
+        assert logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=2e-4)
+        best = [logp[i - 1].max().item() for i in range(1, len(ids))]
+        assert [max(top.values()) for top in logprobs.top_logprobs[1:len(ids)]] == pytest.approx(best, abs=2e-4)
+        assert answer.choices[0].text.startswith(loaded.tokenizer.decode(ids))
+        assert answer.usage.completion_tokens == max_tokens
+    greedy = logprobs.token_logprobs[-1]  # the new token: the argmax after the prompt
+    assert greedy == pytest.approx(logp[-1].max().item(), abs=2e-4) == max(logprobs.top_logprobs[-1].values())
+    streamed = [c.choices[0] for c in complete(smollm, max_tokens=4, logprobs=2, stream=True) if c.choices]
+    entries = [lp for c in streamed if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert len(entries) == 4 and all(len(c.logprobs.top_logprobs[0]) == 2 for c in streamed if c.logprobs)
+    whole = complete(smollm, max_tokens=4, logprobs=2)
+    assert whole.choices[0].logprobs.token_logprobs == pytest.approx(entries, abs=1e-6)
+
+
 # ---- refusals -------------------------------------------------------------------------------------------
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(smollm):
@@ -143,12 +136,16 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(smollm):
     assert set(raw.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         smollm.client.completions.create(model="gpt-4", prompt="hi")
-    bad = [dict(temperature="hot"), dict(temperature=5), dict(max_tokens=0), dict(n=2), dict(logprobs=2),
+    bad = [dict(temperature="hot"), dict(temperature=5), dict(max_tokens=0), dict(n=2), dict(logprobs=21),
+           dict(echo=True, stream=True), dict(echo=True, logprobs=-1),
            dict(max_tokens=600), dict(prompt="word " * 600), dict(prompt=[1, 2, 10**6]), dict(prompt=["a", "b"])]
     for kwargs in bad:
         with pytest.raises(openai.BadRequestError) as caught:
             complete(smollm, **kwargs)
         assert caught.value.body["message"], kwargs
+    with pytest.raises(openai.BadRequestError, match="not on chat completions"):
+        smollm.client.chat.completions.create(model=smollm.model, messages=[{"role": "user", "content": "hi"}],
+                                              logprobs=True)
     with pytest.raises(openai.BadRequestError, match="text content parts"):
         smollm.client.chat.completions.create(model=smollm.model, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])

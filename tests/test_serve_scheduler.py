@@ -164,11 +164,11 @@ def test_the_compiled_server_step_equals_eager_and_keeps_each_layouts_overlap(tm
     run_plan(eager, StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
     run_plan(eager, StepPlan(prefill=[PrefillChunk(1, [4, 5], 0)]))
     plan = StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2])
-    expected, _ = run_plan(eager, plan)
+    expected = run_plan(eager, plan).decoded
 
     compiled = server_engine(model, 2, 64, DecodeStep.COMPILED)  # the same cache: the prefills are there
     compiled.warm_up()
-    logits, _ = run_plan(compiled, plan)
+    logits = run_plan(compiled, plan).decoded
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
     with profile() as trace:

@@ -135,7 +135,7 @@ def test_checkpoint_is_a_model_folder_the_cli_runs(corpus, tmp_path, capsys):
 def test_adaptation_with_frozen_layers(corpus, tmp_path):
     base = train(tiny_config(corpus, tmp_path / "base", steps=3), progress=False).final_dir
     adapted = train(tiny_config(corpus, tmp_path / "adapted", preset=None, model=str(base), ladder_layers=2,
-                                train_only_ladder_layers=True, steps=3), progress=False).final_dir
+                                trainable="converted", steps=3), progress=False).final_dir
     from safetensors.torch import load_file
     before, after = load_file(base / "model.safetensors"), load_file(adapted / "model.safetensors")
     frozen = [k for k in before if not k.startswith(("model.layers.2.", "model.layers.3."))]
@@ -296,6 +296,6 @@ def test_two_nodes_given_different_settings_stop_before_training(tmp_path):
     for rank, (status, _, err) in enumerate(nodes):
         assert status != 0
         assert ladder_lines(err) == [
-            f"ladder: error: rank {1 - rank} and rank {rank} have different training settings or data: start every "
-            "node with the same command and the same files"], err[-3000:]
+            f"ladder: error: rank {1 - rank} and rank {rank} have different training settings, data or teacher: "
+            "start every node with the same command and the same files"], err[-3000:]
     assert not checkpoint_dirs(tmp_path / "run")

@@ -59,6 +59,7 @@ class PrefillChunk:
     row: int  # the KV-cache row
     tokens: list[int]
     start: int  # the position of the first token
+    every_position: bool = False  # the logits of every position are wanted (prompt log-probabilities)
 
 
 @dataclass
@@ -155,16 +156,17 @@ class Engine:
             positions = [*positions, *[self.scratch_position] * (batch - D)]
         return self._step_at(batch, kv_len)(tokens, to_device(positions, self.device)[:, None])[:D]
 
-    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+    def prefill(self, chunks: Sequence[PrefillChunk], every_position: bool = False) -> torch.Tensor:
         """The last logits (P, V) of every chunk, in one forward over consecutive rows from chunks[0].row,
-        left-padded to the longest chunk, rounded up to whole PREFILL_BLOCKs."""
+        left-padded to the longest chunk, rounded up to whole PREFILL_BLOCKs. `every_position`: the logits
+        of every position (P, T, V) instead, each chunk's at the right end of its row."""
         longest = -(-max(len(c.tokens) for c in chunks) // PREFILL_BLOCK) * PREFILL_BLOCK
         tokens = [[0] * (longest - len(c.tokens)) + c.tokens for c in chunks]
         positions = [[self.scratch_position] * (longest - len(c.tokens)) + list(range(c.start, c.start + len(c.tokens)))
                      for c in chunks]
         rows = slice(chunks[0].row, chunks[0].row + len(chunks))
         return self._prefill(to_device(tokens, self.device), to_device(positions, self.device),
-                             rows, max(c.start + len(c.tokens) for c in chunks))
+                             rows, max(c.start + len(c.tokens) for c in chunks), every_position)
 
     def prefill_prompts(self, prompts: torch.Tensor) -> torch.Tensor:
         """The last logits (B, V) of equal-length prompts (B, T), written from position 0 of rows 0..B-1."""
@@ -177,10 +179,12 @@ class Engine:
         for layer in self.model.layers:
             layer.attention.kv_cache.move_row(source, target, length)
 
-    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, rows: slice, longest: int) -> torch.Tensor:
+    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, rows: slice, longest: int,
+                 every_position: bool = False) -> torch.Tensor:
         with eager_if(self.step.compiles_layers):  # a compiled branch per prompt length otherwise
-            logits = self.model(tokens, positions, last_only=True, rows=rows, kv_len=kv_blocks(longest, self.max_seq))
-        return logits[:, -1]
+            logits = self.model(tokens, positions, last_only=not every_position, rows=rows,
+                                kv_len=kv_blocks(longest, self.max_seq))
+        return logits if every_position else logits[:, -1]
 
     def _step_at(self, batch: int, kv_len: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The decode step at one shape, made on first use (a CUDA graph captures at its first call)."""

@@ -52,3 +52,32 @@ def perplexity(model: Transformer, ids: list[int], window: int = 512, stride: in
     return {"perplexity": math.exp(nll / count), "nll_per_token": nll / count, "n_scored": count,
             "n_tokens": len(ids), "window": window, "stride": stride,
             "method": f"token-level, {method}, every token after the first scored once"}
+
+
+@torch.inference_mode()
+def compare(model: Transformer, reference: Transformer, ids: list[int], window: int = 512,
+            progress: bool = True) -> dict[str, Any]:
+    """How far `model` is from `reference` on `ids`, over the windows `perplexity` scores: each model's
+    perplexity, the share of positions where their greedy next tokens agree, and the mean KL(reference ||
+    model) of their next-token distributions (nats)."""
+    if len(ids) < 2:
+        raise LadderError(f"need at least 2 tokens to compare models, got {len(ids)}")
+    if model.config.vocab_size != reference.config.vocab_size:
+        raise LadderError(f"the models have vocabularies of {model.config.vocab_size} and "
+                          f"{reference.config.vocab_size} tokens: they cannot be compared token for token")
+    tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
+    nll, ref_nll, agree, kl, count = 0.0, 0.0, 0, 0.0, 0
+    for begin, end, first in tqdm(windows(len(ids), window, window - 1), desc="compare", unit="window",
+                                  disable=not progress, dynamic_ncols=True):
+        scored = slice(first - 1 - begin, end - 1 - begin)
+        logp = F.log_softmax(model(tokens[None, begin:end]).float()[0, scored], dim=-1)  # (n, V)
+        ref_logp = F.log_softmax(reference(tokens[None, begin:end].to(reference.device)).float()[0, scored].to(
+            logp.device), dim=-1)
+        targets = tokens[first:end]
+        nll -= logp.gather(-1, targets[:, None]).sum().item()
+        ref_nll -= ref_logp.gather(-1, targets[:, None]).sum().item()
+        agree += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+        kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+        count += targets.numel()
+    return {"perplexity": math.exp(nll / count), "reference_perplexity": math.exp(ref_nll / count),
+            "agreement": agree / count, "kl": kl / count, "n_scored": count, "window": window}

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ladder.errors import LadderError
+from ladder.files import atomic_write
 
 
 def pyplot() -> Any:
@@ -34,8 +35,8 @@ def plain_log_labels(axis) -> None:
 
 
 def save(fig, path: Path, plt) -> Path:
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)  # atomic: a reader never sees half a picture
-    return path
+    """Written whole or not at all (`ladder.files.atomic_write`): a reader never sees half a picture."""
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png"))
+    finally:
+        plt.close(fig)

@@ -23,6 +23,7 @@ from ladder.config import CPU_DTYPE_VARIABLE
 from ladder.decode_step import DECODE_ATTENTION_VARIABLE, INDUCTOR_OPTIONS_VARIABLE, DecodeStep
 from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE
 from ladder.errors import LadderError, check_creatable
+from ladder.files import append_line
 
 SCHEMA_VERSION = 1
 
@@ -83,10 +84,7 @@ def _drop_cut_line(path: Path) -> None:
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one record and make sure it is on disk before the next configuration starts."""
     _drop_cut_line(path)
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_line(path, json.dumps(record), sync=True)
 
 
 def check_results_file(out: Path) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ladder.comm.emulated import EmulatedCommunicator
+from ladder.files import atomic_write
 
 SYNC_MARKER = "ladder.clock_sync"
 SYNC_MARKERS = 16
@@ -58,14 +59,17 @@ def profile_generation(engine: Any, prompt: torch.Tensor, new_tokens: int, sampl
         if log_transfers:
             comm.transfers = None
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    prof.export_chrome_trace(str(tmp))
-    trace = json.loads(tmp.read_text())
-    if transfers:
-        trace["traceEvents"].extend(_link_events(trace["traceEvents"], sync_host_s, transfers))
-        tmp.write_text(json.dumps(trace))
-    tmp.replace(path)
-    return trace["traceEvents"]
+    events: list[dict[str, Any]] = []
+
+    def export(tmp: Path) -> None:
+        prof.export_chrome_trace(str(tmp))
+        trace = json.loads(tmp.read_text())
+        if transfers:
+            trace["traceEvents"].extend(_link_events(trace["traceEvents"], sync_host_s, transfers))
+            tmp.write_text(json.dumps(trace))
+        events.extend(trace["traceEvents"])
+    atomic_write(path, export)
+    return events
 
 
 def _link_events(events: list[dict[str, Any]], sync_host_s: list[float],

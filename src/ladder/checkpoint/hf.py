@@ -22,6 +22,7 @@ from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.config import ModelConfig
 from ladder.errors import LadderError, check_creatable
+from ladder.files import check_room, writing
 from ladder.weights import ALL, Slice, export_hf_state_dict, random_model
 
 class SafetensorsSource:
@@ -134,16 +135,19 @@ def save_hf(out: Path, config: ModelConfig, tensors: dict[str, torch.Tensor], to
     out = out.expanduser().resolve()
     check_replaceable(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    check_room(out.parent, needed, f"the model folder {out.name}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write_hf_files(tmp, config, tensors, tokenizer, out)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        with writing(out, needed):
+            write_hf_files(tmp, config, tensors, tokenizer, out)
+            if out.exists():
+                old = out.with_name(f".{out.name}.old-{os.getpid()}")
+                out.rename(old)
+                tmp.rename(out)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

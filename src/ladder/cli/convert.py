@@ -11,6 +11,7 @@ from ladder.cli.common import info
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.distributed import pick_device
 from ladder.config import DESYNC_PATTERNS, LAYOUTS
+from ladder.files import check_room
 from ladder.spec import ModelSpec
 from ladder.weights import export_hf_state_dict
 
@@ -21,6 +22,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     spec.validate()
     out = Path(args.out).expanduser().resolve()
     check_replaceable(out, args.force)  # before the minutes of loading
+    check_room(out.parent, spec.config().n_params() * 4,  # float32 weights
+               f"the model folder {out.name}")
     loaded = spec.load(LocalCommunicator(), pick_device("cpu"))
     info(f"ladder: {spec.describe(loaded)}")
     path = save_hf(out, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer, force=args.force)

@@ -24,9 +24,10 @@ from ladder.sampling import SamplingParams
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                    ChatCompletionRequest, ChatDelta, ChatMessageOut, Completion, CompletionChoice,
-                                   CompletionRequest, ErrorBody, ErrorResponse, ModelCard, ModelList,
-                                   SamplingFields, Usage, new_id)
-from ladder.serve.scheduler import GenerationParams, Output, QueueFull, Scheduler, Sequence, Unavailable
+                                   CompletionLogprobs, CompletionRequest, ErrorBody, ErrorResponse, ModelCard,
+                                   ModelList, SamplingFields, Usage, new_id)
+from ladder.serve.scheduler import (GenerationParams, Output, QueueFull, Scheduler, Sequence, TokenLogprob,
+                                    Unavailable)
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
@@ -95,12 +96,11 @@ def create_app(state: ServerState) -> "FastAPI":
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response | BaseModel:
         prompt = _completion_prompt(state, body)
-        outputs = _generate(state, prompt, _params(state, body, len(prompt), body.max_tokens), request)
+        params = _params(state, body, len(prompt), body.max_tokens, body.top_logprobs, body.echo)
+        outputs = _generate(state, prompt, params, request)
         if body.stream:
             return _stream(_completion_chunks(state, body, outputs))
-        text, last = await _collect(outputs)
-        return Completion(model=state.model_name, choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
-                          usage=Usage.of(last.prompt_tokens, last.completion_tokens))
+        return _completion(state, body, prompt, await _collect(outputs))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response | BaseModel:
@@ -109,7 +109,7 @@ def create_app(state: ServerState) -> "FastAPI":
         outputs = _generate(state, prompt, _params(state, body, len(prompt), max_tokens), request)
         if body.stream:
             return _stream(_chat_chunks(state, body, outputs))
-        text, last = await _collect(outputs)
+        text, last, _ = await _collect(outputs)
         return ChatCompletion(model=state.model_name, usage=Usage.of(last.prompt_tokens, last.completion_tokens),
                               choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason)])
 
@@ -162,8 +162,6 @@ def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]
         if len(prompt) != 1:
             raise ApiError(400, "one prompt per request: send several requests", param="prompt")
         prompt = prompt[0]
-    if body.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
@@ -197,7 +195,17 @@ def _check_length(state: ServerState, ids: list[int]) -> list[int]:
     return ids
 
 
-def _params(state: ServerState, body: SamplingFields, prompt_tokens: int, max_tokens: int | None) -> GenerationParams:
+def _prompt_text(state: ServerState, body: CompletionRequest, ids: list[int]) -> str:
+    """The prompt as echo gives it back: the text sent, or the text of the ids sent."""
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)) \
+        else body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    return state.tokenizer.decode(ids, skip_special=False) if state.tokenizer is not None else ""
+
+
+def _params(state: ServerState, body: SamplingFields, prompt_tokens: int, max_tokens: int | None,
+            logprobs: int | None = None, echo: bool = False) -> GenerationParams:
     room = state.max_model_len - prompt_tokens
     if max_tokens is not None and max_tokens > room:
         raise ApiError(400, f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed this server's "
@@ -205,8 +213,9 @@ def _params(state: ServerState, body: SamplingFields, prompt_tokens: int, max_to
     if (error := vocabulary_error(body.stop_token_ids or [], state.vocab_size, "stop token id")) is not None:
         raise ApiError(400, error, param="stop_token_ids")
     top_k = body.top_k if body.top_k not in (None, -1, 0) else None
-    return GenerationParams(max_tokens or room, SamplingParams(body.temperature, top_k, body.top_p), body.seed,
-                            body.stop_strings(), frozenset(body.stop_token_ids or ()), body.ignore_eos)
+    return GenerationParams(room if max_tokens is None else max_tokens, SamplingParams(body.temperature, top_k, body.top_p),
+                            body.seed, body.stop_strings(), frozenset(body.stop_token_ids or ()), body.ignore_eos,
+                            logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
 
 
 # ---- outputs ------------------------------------------------------------------------------------------
@@ -257,14 +266,42 @@ async def _outputs(scheduler: Scheduler, sequence: Sequence, queue: asyncio.Queu
             scheduler.cancel(sequence)
 
 
-async def _collect(outputs: AsyncIterator[Output]) -> tuple[str, Output]:
-    parts, last = [], None
-    async for out in outputs:
-        parts.append(out.text)
-        last = out
-    if last is None:  # the client went away: nobody reads this answer
+async def _collect(outputs: AsyncIterator[Output]) -> tuple[str, Output, list[Output]]:
+    """The whole text, the last output and every output."""
+    collected = [out async for out in outputs]
+    if not collected:  # the client went away: nobody reads this answer
         raise ApiError(499, "the client closed the request")
-    return "".join(parts), last
+    return "".join(out.text for out in collected), collected[-1], collected
+
+
+def _completion(state: ServerState, body: CompletionRequest, prompt: list[int],
+                collected: tuple[str, Output, list[Output]]) -> Completion:
+    """A whole completion: its text (after the prompt's, with echo) and its tokens' log-probabilities (the
+    prompt's first, with echo)."""
+    text, last, outputs = collected
+    echoed = _prompt_text(state, body, prompt) if body.echo else ""
+    logprobs = None
+    if body.top_logprobs is not None:
+        entries = [*(last.prompt_logprobs or []), *(e for out in outputs for e in out.logprobs)]
+        logprobs = _logprobs_body(state, entries, 0)
+    choice = CompletionChoice(text=echoed + text, finish_reason=last.finish_reason, logprobs=logprobs)
+    return Completion(model=state.model_name, choices=[choice], usage=Usage.of(last.prompt_tokens, last.completion_tokens))
+
+
+def _spell(state: ServerState, token: int) -> str:
+    return state.tokenizer.decode([token], skip_special=False) if state.tokenizer is not None else str(token)
+
+
+def _logprobs_body(state: ServerState, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """OpenAI's logprobs object for these tokens, their text starting at character `offset`."""
+    tokens = [_spell(state, e.token) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    tops = [None if e.logprob is None else {_spell(state, t): v for t, v in e.top.items()} for e in entries]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries], top_logprobs=tops,
+                              text_offset=offsets)
 
 
 def _stream(events: AsyncIterator[BaseModel]) -> StreamingResponse:
@@ -286,11 +323,13 @@ def _sse(data: str) -> str:
 
 async def _completion_chunks(state: ServerState, body: CompletionRequest,
                              outputs: AsyncIterator[Output]) -> AsyncIterator[BaseModel]:
-    id_, last = new_id("cmpl"), None
+    id_, last, offset = new_id("cmpl"), None, 0
     async for out in outputs:
         last = out
-        yield Completion(id=id_, model=state.model_name, choices=[CompletionChoice(text=out.text,
-                                                                                   finish_reason=out.finish_reason)])
+        logprobs = _logprobs_body(state, out.logprobs, offset) if body.top_logprobs is not None else None
+        offset += len(out.text)
+        yield Completion(id=id_, model=state.model_name, choices=[
+            CompletionChoice(text=out.text, finish_reason=out.finish_reason, logprobs=logprobs)])
     if last is not None and body.stream_options and body.stream_options.include_usage:
         yield Completion(id=id_, model=state.model_name, choices=[], usage=Usage.of(last.prompt_tokens,
                                                                                    last.completion_tokens))

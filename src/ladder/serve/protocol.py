@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_LOGPROBS = 20  # the most likely tokens a position may list (vLLM's default limit)
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -44,8 +45,6 @@ class SamplingFields(BaseModel):
         """(param, message) for the first field this server cannot honour."""
         if self.n != 1:
             return "n", "n > 1 is not supported: send one request per completion"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not supported"
         if self.presence_penalty or self.frequency_penalty:
             return "presence_penalty", "presence and frequency penalties are not supported"
         return None
@@ -53,8 +52,24 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # the OpenAI default for completions
-    echo: bool = False
+    max_tokens: int | None = Field(16, ge=0)  # the OpenAI default for completions; 0 scores the prompt (echo)
+    echo: bool = False  # the prompt before the completion, with its log-probabilities when logprobs is set
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if (found := super().unsupported()) is not None:
+            return found
+        if self.logprobs is not None and not 0 <= int(self.logprobs) <= MAX_LOGPROBS:
+            return "logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
+        if self.echo and self.stream:
+            return "echo", "echo is not supported with stream: send a request without stream"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens 0 needs echo (it scores the prompt and generates nothing)"
+        return None
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """How many likely tokens each position lists; None: no log-probabilities asked for."""
+        return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
 
 
 class ChatMessage(BaseModel):
@@ -73,6 +88,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs not in (None, False):
+            return "logprobs", "logprobs are supported on /v1/completions, not on chat completions"
+        return super().unsupported()
 
 
 class Usage(BaseModel):
@@ -95,11 +115,19 @@ class _Response(BaseModel):
     model: str
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions format, one entry per token (the prompt's first, with echo)."""
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: the prompt's first token, which nothing predicts
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # where each token's text begins in the choice's text
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_Response):

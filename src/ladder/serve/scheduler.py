@@ -33,7 +33,7 @@ from ladder.engine import Engine, PrefillChunk
 from ladder.errors import LadderError
 from ladder.sampling import SamplingBatch, SamplingParams, sample
 from ladder.serve.metrics import ServerMetrics
-from ladder.serve.steps import StepPlan, run_plan, share_plan
+from ladder.serve.steps import StepLogits, StepPlan, run_plan, share_plan
 
 HEARTBEAT_S = 1.0  # an idle server still sends empty plans: the other ranks' wait must not time out
 
@@ -48,12 +48,23 @@ class Unavailable(Exception):
 
 @dataclass(frozen=True)
 class GenerationParams:
-    max_tokens: int
+    max_tokens: int  # 0: score the prompt only (with prompt_logprobs)
     sampling: SamplingParams = SamplingParams()
     seed: int | None = None  # None: a fresh random seed per request
     stop: tuple[str, ...] = ()  # stop strings: never part of the output
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    logprobs: int | None = None  # each new token's log-probability and this many most likely tokens'
+    prompt_logprobs: bool = False  # the same for every prompt token (OpenAI's echo with logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability (natural log, of the model's distribution before any sampling setting)
+    and the most likely tokens' at its position, as ids (the HTTP side spells them)."""
+    token: int
+    logprob: float | None  # None for a prompt's first token: nothing predicts it
+    top: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +75,8 @@ class Output:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens generated since the previous Output
+    prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, on the last Output
 
 
 @dataclass(eq=False)
@@ -81,6 +94,8 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     last_token_at: float = 0.0
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled chunk by chunk
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens not yet in an Output
 
     @property
     def cached(self) -> int:
@@ -147,9 +162,11 @@ class Scheduler:
         try:
             while (plan := self._next_plan()) is not None:
                 plan = share_plan(plan, self.group, self.world_size)
-                decoded, prefilled = run_plan(self.engine, plan)
+                logits = run_plan(self.engine, plan)
+                if logits.every_position is not None:  # (outside the lock: a forward's worth of logits)
+                    self._score_prompts(plan, logits.every_position)
                 with self._lock:
-                    self._advance(plan, decoded, prefilled)
+                    self._advance(plan, logits)
             share_plan(StepPlan(stop=True), self.group, self.world_size)
         except Exception as exc:  # noqa: BLE001 (every failure ends serving; its message goes to each client)
             said = communication_failure(exc) or (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
@@ -193,12 +210,20 @@ class Scheduler:
             if budget <= 0:
                 break
             chunk = s.prompt[s.prefilled:s.prefilled + budget]
-            plan.prefill.append(PrefillChunk(s.row, chunk, s.prefilled))
+            plan.prefill.append(PrefillChunk(s.row, chunk, s.prefilled, every_position=s.params.prompt_logprobs))
             budget -= len(chunk)
         return plan
 
-    def _advance(self, plan: StepPlan, decoded: torch.Tensor | None, prefilled: torch.Tensor | None) -> None:
+    def _score_prompts(self, plan: StepPlan, every_position: torch.Tensor) -> None:
+        """Each prompt token's log-probability, for the chunks that ask (their sequences are the first
+        prefilling ones, in order: `_plan`). Runs on the engine thread, which alone changes `prefilling`."""
+        for chunk, s, logits in zip(plan.prefill, self.prefilling, every_position):
+            if chunk.every_position:
+                s.prompt_logprobs += prompt_logprobs(logits, chunk, s.prompt, s.params.logprobs or 0)
+
+    def _advance(self, plan: StepPlan, step: StepLogits) -> None:
         now = time.perf_counter()
+        decoded, prefilled = step.decoded, step.prefilled
         rows = self.running[:len(plan.decode_tokens)]
         logits = [decoded] if decoded is not None else []
         complete = 0  # the chunks that end their prompt: the first ones (see `_plan`)
@@ -212,11 +237,20 @@ class Scheduler:
             joined, self.prefilling = self.prefilling[:complete], self.prefilling[complete:]
             self.running += joined  # their rows follow the running ones already
             rows, logits = [*rows, *joined], [*logits, prefilled[:complete]]
-        if rows:
+        for s in rows:
+            if s.params.max_tokens == 0:  # the prompt's log-probabilities are all it asked for
+                self._finish(s, "length")
+        sampled = [i for i, s in enumerate(rows) if not s.finished]
+        if sampled:
+            step_logits = torch.cat(logits)
+            step_logits = step_logits if len(sampled) == len(rows) else step_logits[sampled]
+            rows = [rows[i] for i in sampled]
             batch = SamplingBatch.of([s.params.sampling for s in rows], [s.generator for s in rows],
-                                     logits[0].shape[-1], logits[0].device)
-            tokens = sample(torch.cat(logits), batch).tolist()  # the step's one transfer to the host
-            for s, token in zip(rows, tokens):
+                                     step_logits.shape[-1], step_logits.device)
+            tokens = sample(step_logits, batch).tolist()  # the step's one transfer to the host
+            for s, token, row_logits in zip(rows, tokens, step_logits):
+                if s.params.logprobs is not None:
+                    s.new_logprobs.append(token_logprob(row_logits, token, s.params.logprobs))
                 self._accept(s, token, now)
         self._release([s for s in self.running if s.finished])
 
@@ -238,11 +272,14 @@ class Scheduler:
         elif len(s.generated) >= s.params.max_tokens or s.cached + 1 >= self.engine.max_seq:
             self._finish(s, "length", text + s.detokenizer.flush())
         elif text:
-            s.emit(Output(text, None, len(s.prompt), len(s.generated)))
+            s.emit(Output(text, None, len(s.prompt), len(s.generated), logprobs=s.new_logprobs))
+            s.new_logprobs = []
 
     def _finish(self, s: Sequence, reason: str, text: str = "") -> None:
         s.finished = True
-        s.emit(Output(text, reason, len(s.prompt), len(s.generated)))
+        prompt = s.prompt_logprobs if s.params.prompt_logprobs else None
+        s.emit(Output(text, reason, len(s.prompt), len(s.generated), logprobs=s.new_logprobs, prompt_logprobs=prompt))
+        s.new_logprobs = []
         self.metrics.finished(reason, len(s.prompt), time.perf_counter() - s.arrival)
 
     def _release(self, leaving: list[Sequence]) -> None:
@@ -289,3 +326,28 @@ class Scheduler:
                     s.finished = True
                     s.emit(Output("", "abort", len(s.prompt), len(s.generated), error=message))
 
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under the next-token logits (V,), and the `top` most likely tokens'."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = logp.topk(top) if top else None
+    return TokenLogprob(token, float(logp[token]),
+                        dict(zip(best.indices.tolist(), best.values.tolist())) if best is not None else {})
+
+
+def prompt_logprobs(logits: torch.Tensor, chunk: PrefillChunk, prompt: list[int], top: int) -> list[TokenLogprob]:
+    """The log-probabilities of the prompt tokens a chunk's positions predict: logits (T, V) of a row whose
+    last len(chunk.tokens) positions are the chunk's (left-padded). Position p predicts token p + 1, so a
+    chunk scores the tokens after each of its own, the first of the next chunk included; the prompt's
+    first token, which nothing predicts, gets None."""
+    n = len(chunk.tokens)
+    targets = prompt[chunk.start + 1:chunk.start + n + 1]  # the last chunk's last position predicts no prompt token
+    logp = torch.log_softmax(logits[-n:][:len(targets)].float(), dim=-1)  # (n or n - 1, V)
+    picked = logp.gather(-1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()
+    best = logp.topk(top, dim=-1) if top else None
+    entries = [TokenLogprob(prompt[0], None)] if chunk.start == 0 else []
+    for i, (token, value) in enumerate(zip(targets, picked)):
+        tops = dict(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else {}
+        entries.append(TokenLogprob(token, value, tops))
+    return entries

@@ -10,7 +10,8 @@ cache, not a gathered copy) and the P requests being prefilled rows D..D+P-1. Wh
 the last running row moves into its place and the prefilling rows move down.
 
 A step runs at most two forwards: one token of every running request (`Engine.decode`), and every
-prompt chunk at once (`Engine.prefill`). The engine's shapes are reserved padded
+prompt chunk at once (`Engine.prefill`; every position's logits when a chunk asks for them, for a
+request that wants its prompt's log-probabilities). The engine's shapes are reserved padded
 (`Engine.reserve(..., padded=True)`): a compiled or graphed step is made for each at start-up.
 """
 
@@ -47,11 +48,24 @@ def share_plan(plan: StepPlan | None, group: dist.ProcessGroup | None, world_siz
     return box[0]
 
 
+@dataclass
+class StepLogits:
+    """What a step's forwards give the scheduler; None where the plan has none."""
+    decoded: torch.Tensor | None = None  # (D, V): the next-token logits of running row i
+    prefilled: torch.Tensor | None = None  # (P, V): each prefill chunk's last logits
+    every_position: torch.Tensor | None = None  # (P, T, V): every position's, left-padded, when a chunk asks
+
+
 @torch.inference_mode()
-def run_plan(engine: Engine, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(decode logits (D, V), each prefill chunk's last logits (P, V)), None where the plan has none."""
+def run_plan(engine: Engine, plan: StepPlan) -> StepLogits:
     for source, target, length in plan.moves:
         engine.move_row(source, target, length)
-    decoded = engine.decode(plan.decode_tokens, plan.decode_positions) if plan.decode_tokens else None
-    prefilled = engine.prefill(plan.prefill) if plan.prefill else None
-    return decoded, prefilled
+    out = StepLogits()
+    if plan.decode_tokens:
+        out.decoded = engine.decode(plan.decode_tokens, plan.decode_positions)
+    if any(chunk.every_position for chunk in plan.prefill):
+        out.every_position = engine.prefill(plan.prefill, every_position=True)
+        out.prefilled = out.every_position[:, -1]
+    elif plan.prefill:
+        out.prefilled = engine.prefill(plan.prefill)
+    return out

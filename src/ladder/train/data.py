@@ -1,6 +1,6 @@
-"""Training text: files, folders or the packaged corpora, tokenised and packed into fixed-length
-sequences, served as seeded global batches whose position is just the step (so a resumed run sees the
-same batches)."""
+"""Training text: files, folders, the packaged corpora or the teacher's answers to prompts
+(`ladder.train.answers`), tokenised and packed into fixed-length sequences, served as seeded global
+batches whose position is just the step (so a resumed run sees the same batches)."""
 
 from __future__ import annotations
 
@@ -49,15 +49,33 @@ def pack(texts: list[str], tokenizer: Any, seq_len: int) -> torch.Tensor:
 
 
 class Batches:
-    """Global batches in a seeded order, reshuffled each epoch; the position is just the step."""
+    """Global batches whose position is just the step. One source (or several, without weights): its
+    sequences in a seeded order, reshuffled each epoch. Weighted sources: each row of a batch comes from
+    a source drawn in proportion to its weight, and is a sequence drawn from that source, both from a
+    generator seeded by the step (a small source is seen more often than once an epoch)."""
 
-    def __init__(self, sequences: torch.Tensor, batch_size: int, seed: int) -> None:
-        if len(sequences) < batch_size:
-            raise LadderError(f"the data holds {len(sequences)} sequences, fewer than one batch of {batch_size}")
-        self.sequences, self.batch_size, self.seed = sequences, batch_size, seed
-        self.per_epoch = len(sequences) // batch_size
+    def __init__(self, sources: torch.Tensor | list[torch.Tensor], batch_size: int, seed: int,
+                 weights: list[float] | None = None) -> None:
+        sources = [sources] if isinstance(sources, torch.Tensor) else sources
+        self.batch_size, self.seed = batch_size, seed
+        self.sources = sources
+        self.weights = None if weights is None else torch.tensor(weights, dtype=torch.float64)
+        self.sequences = torch.cat(sources)  # (the run's data fingerprint reads them)
+        if self.weights is None and len(self.sequences) < batch_size:
+            raise LadderError(f"the data holds {len(self.sequences)} sequences, fewer than one batch of {batch_size}")
+        self.per_epoch = len(self.sequences) // batch_size
 
     def global_batch(self, step: int) -> torch.Tensor:
+        if self.weights is not None:
+            return self._weighted_batch(step)
         epoch, index = divmod(step, self.per_epoch)
         order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(self.seed + epoch))
         return self.sequences[order[index * self.batch_size:(index + 1) * self.batch_size]]
+
+    def _weighted_batch(self, step: int) -> torch.Tensor:
+        assert self.weights is not None
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        which = torch.multinomial(self.weights, self.batch_size, replacement=True, generator=generator)
+        rows = [self.sources[s][int(torch.randint(len(self.sources[s]), (1,), generator=generator))]
+                for s in which.tolist()]
+        return torch.stack(rows)

@@ -1,4 +1,5 @@
-"""`ladder train`: pretraining from a preset, or adaptation of a checkpoint converted to ladder.
+"""`ladder train`: pretraining from a preset, or adaptation of a checkpoint converted to ladder, by
+cross-entropy on text or by distillation from a teacher (`ladder.train.distill`).
 
 Data parallel on an existing engine: PyTorch DDP or FSDP2 (`fully_shard`) under torchrun or `--nproc`,
 gloo on CPU. Every rank takes its own slice of each global batch; the loss is the mean over the global
@@ -33,12 +34,16 @@ from ladder.comm.base import LocalCommunicator
 from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint, init_distributed,
                                      shutdown_distributed)
 from ladder.errors import LadderError, Stopped
+from ladder.files import append_line
 from ladder.model import Transformer
 from ladder.quantize import quantize_shard
 from ladder.spec import ModelSpec
 from ladder.train.checkpoints import (check_out_dir_is_shared, checkpoint_dirs, load_latest_checkpoint,
                                       resume_optimizer, save_checkpoint)
+from ladder.train.answers import answer_texts, is_answers
 from ladder.train.data import Batches, pack, read_texts
+from ladder.train.distill import Objective, load_teacher, teacher_spec
+from ladder.train.lora import add_lora
 from ladder.train.settings import TrainConfig
 from ladder.train.simulate import SimulatedRanks
 
@@ -58,9 +63,13 @@ class TrainResult:
     eval_loss: float | None
 
 
+def _computes_in_bf16(config: TrainConfig, device: torch.device) -> bool:
+    return config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+
+
 def _autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    use_bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16) if _computes_in_bf16(config, device) else \
+        contextlib.nullcontext()
 
 
 def model_spec(config: TrainConfig) -> ModelSpec:
@@ -99,15 +108,28 @@ def _build(config: TrainConfig, device: torch.device) -> tuple[Transformer, Text
     return spec.load(LocalCommunicator(), device, simulated_ranks=True).model, tokenizer
 
 
+def converted_layers(model: Any) -> list[int]:
+    """The layers a ladder conversion changed (the last n_ladder_layers)."""
+    return list(range(model.config.first_ladder_layer, model.config.n_layers))
+
+
 def freeze_non_ladder(model: Any) -> int:
     """Train only the ladder layers (adaptation); returns the number of trainable parameters."""
-    n_ladder = model.config.n_ladder_layers
-    if n_ladder == 0:
-        raise LadderError("train_only_ladder_layers needs a ladder conversion (set ladder_layers)")
-    first = model.config.n_layers - n_ladder
+    layers = converted_layers(model)
+    if not layers:
+        raise LadderError("trainable=converted needs a ladder conversion (set ladder_layers)")
     for name, p in model.named_parameters():
-        p.requires_grad = name.startswith("layers.") and int(name.split(".")[1]) >= first
+        p.requires_grad = name.startswith("layers.") and int(name.split(".")[1]) >= layers[0]
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def choose_trainable(model: Any, config: TrainConfig) -> None:
+    """Which parameters train: all, the converted layers', or LoRA adapters (on the converted layers or all)."""
+    if config.trainable == "converted":
+        freeze_non_ladder(model)
+    elif config.trainable == "lora":
+        layers = converted_layers(model) if config.lora_layers == "converted" else list(range(model.config.n_layers))
+        add_lora(model, layers, config.lora_rank, config.lora_alpha)
 
 
 def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> TrainResult:
@@ -138,21 +160,27 @@ class _Run:
         if config.seq_len > model.config.max_seq_len:
             raise LadderError(f"seq_len {config.seq_len} exceeds the model's context (max_seq_len "
                               f"{model.config.max_seq_len})")
-        if config.train_only_ladder_layers:
-            freeze_non_ladder(model)
-        self.batches = Batches(pack(read_texts(config.data), self.tokenizer, config.seq_len), config.batch_size,
-                               config.seed)
+        choose_trainable(model, config)
+        self.teacher, self.run_state = None, {}
+        if config.teacher is not None:
+            dtype = torch.bfloat16 if _computes_in_bf16(config, ctx.device) else torch.float32
+            spec = teacher_spec(config.teacher, config.model, config.device)
+            self.teacher, identity = load_teacher(spec, ctx.device, model, self.tokenizer, dtype)
+            self.run_state = {"teacher": identity}
+        if not resume and checkpoint_dirs(self.out_dir):
+            raise LadderError(f"{self.out_dir} already holds checkpoints: pass --resume to continue, or choose "
+                              "another out_dir")
+        self.batches = Batches([self._sequences(spec) for spec in config.data], config.batch_size, config.seed,
+                               config.data_weights)
         self.heldout = pack(read_texts(config.heldout), self.tokenizer, config.seq_len) if config.heldout else None
         # Ranks with other settings (under torchrun each node has its own command line) would apply one
         # averaged gradient differently, and their replicas drift apart without an error.
         check_ranks_agree((dataclasses.asdict(config), resume, fingerprint(self.batches.sequences),
-                           fingerprint(self.heldout)), "training settings or data")
+                           fingerprint(self.heldout), self.run_state), "training settings, data or teacher")
         latest = None
-        if resume:
-            latest = load_latest_checkpoint(self.out_dir, model)  # weights load before FSDP shards them
-        elif checkpoint_dirs(self.out_dir):
-            raise LadderError(f"{self.out_dir} already holds checkpoints: pass --resume to continue, or choose "
-                              "another out_dir")
+        if resume:  # weights load before FSDP shards them
+            latest = load_latest_checkpoint(self.out_dir, model, self.run_state, rank)
+        self.objective = Objective(config.loss_weights(), config.temperature, model, self.teacher)
         self.core = model  # the Transformer: what checkpoints save
         self.net = _simulated_ranks_if_desync(model, config, world)  # what computes the loss, before DP
         self.model = _data_parallel(self.net, config, world)
@@ -160,6 +188,17 @@ class _Run:
         self.start_step = resume_optimizer(latest, self.optimizer, rank, world) if latest else 0
         self.losses: list[float] = []
         self.eval_loss: float | None = None
+
+    def _sequences(self, source: str) -> torch.Tensor:
+        """One data source as packed sequences: text, or the teacher's answers to prompts (written first)."""
+        config, ctx = self.config, self.ctx
+        if not is_answers(source):
+            return pack(read_texts([source]), self.tokenizer, config.seq_len)
+        # The teacher writes them; without one, the model as it was before conversion.
+        writer = teacher_spec(config.teacher or "original", config.model, config.device)
+        texts = answer_texts(source, writer, self.run_state.get("teacher", writer.label), self.tokenizer, self.out_dir, config.answers_max_tokens,
+                             config.answers_temperature, config.seed, ctx.device, ctx.rank, ctx.world_size)
+        return pack(texts, self.tokenizer, config.seq_len)
 
     def loop(self, progress: bool) -> TrainResult:
         config, rank = self.config, self.ctx.rank
@@ -172,8 +211,7 @@ class _Run:
             for step in bar:
                 record, stopping_now = self.step(step, stop)
                 if rank == 0:
-                    with (self.out_dir / "metrics.jsonl").open("a") as f:
-                        f.write(json.dumps(record) + "\n")
+                    append_line(self.out_dir / "metrics.jsonl", json.dumps(record))
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if step + 1 < config.steps:  # the last step is saved after the loop
                     stopping = config.stop_at is not None and step + 1 >= config.stop_at
@@ -198,14 +236,15 @@ class _Run:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         local = self.batches.global_batch(step)[ctx.rank::ctx.world_size]  # this rank's shard of the global batch
-        loss_sum = _accumulate_gradients(self.model, local, config, self.accumulation, ctx.device)
+        sums = _accumulate_gradients(self.model, self.objective, local, config, self.accumulation, ctx.device)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        agreed = torch.stack([loss_sum, torch.tensor(float(stop.signum > 0), device=ctx.device)])
+        agreed = torch.cat([sums, torch.tensor([float(stop.signum > 0)], device=ctx.device)])
         if ctx.world_size > 1:
-            dist.all_reduce(agreed)  # the mean loss, and whether any rank was asked to stop
-        loss_value, stopping_now = float(agreed[0] / ctx.world_size), bool(agreed[1] > 0)
+            dist.all_reduce(agreed)  # the mean loss and its terms, and whether any rank was asked to stop
+        means, stopping_now = (agreed[:-1] / ctx.world_size).tolist(), bool(agreed[-1] > 0)
+        loss_value = means[0]
         if not math.isfinite(loss_value):
             raise LadderError(f"the loss became {loss_value} at step {step}: lower lr (now {lr:g})")
         self.losses.append(loss_value)
@@ -213,6 +252,8 @@ class _Run:
         record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                                   "tokens": (step + 1) * tokens_per_step,
                                   "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
+        if self.teacher is not None:  # the terms of a distillation loss
+            record.update(zip(self.objective.terms, means[1:]))
         if self.heldout is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
             self.eval_loss = evaluate_loss(self.net, self.heldout, config, ctx)
             record.update(eval_loss=self.eval_loss, eval_ppl=math.exp(self.eval_loss))
@@ -223,7 +264,7 @@ class _Run:
 
     def save(self, step: int) -> Path:
         return save_checkpoint(self.out_dir, step, self.core, self.optimizer, self.config, self.tokenizer,
-                               self.ctx.rank, self.ctx.world_size)
+                               self.ctx.rank, self.ctx.world_size, self.run_state)
 
 
 def _simulated_ranks_if_desync(model: Any, config: TrainConfig, world: int) -> Any:
@@ -267,20 +308,21 @@ def _adamw(model: Any, config: TrainConfig) -> tuple[torch.optim.Optimizer, list
     return optimizer, trainable
 
 
-def _accumulate_gradients(model: Any, local: torch.Tensor, config: TrainConfig, accumulation: int,
-                          device: torch.device) -> torch.Tensor:
-    """Forward and backward over this rank's micro-batches; returns their summed loss (already divided by
-    the accumulation steps, so the sum over ranks / world is the global batch's mean loss)."""
-    loss_sum = torch.zeros((), device=device)
+def _accumulate_gradients(model: Any, objective: Objective, local: torch.Tensor, config: TrainConfig,
+                          accumulation: int, device: torch.device) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches; returns the summed loss, then each of its terms
+    (`objective.terms`), already divided by the accumulation steps, so that the sum over ranks / world is
+    the global batch's mean."""
+    sums = torch.zeros(1 + len(objective.terms), device=device)
     model.train()
     for micro in local.split(config.micro_batch_size):  # (micro_batch_size, seq_len + 1) token ids
         micro = micro.to(device)
         with _autocast(config, device):
-            logits = model(micro[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / accumulation
+            terms = objective.losses(model, micro[:, :-1], micro[:, 1:])
+        loss = objective.total(terms) / accumulation
         loss.backward()
-        loss_sum += loss.detach()
-    return loss_sum
+        sums += torch.stack([loss.detach(), *(terms[name].detach() / accumulation for name in objective.terms)])
+    return sums
 
 
 class _StopRequest:

@@ -23,12 +23,24 @@ class TrainConfig:
     model: str | None = None  # checkpoint (path or short name); wins over preset
     layout: str | None = None
     ladder_layers: int | None = None
-    train_only_ladder_layers: bool = False  # adaptation: freeze everything but the converted layers
+    trainable: str = "all"  # all, converted (only the ladder layers), or lora (PEFT adapters)
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_layers: str = "converted"  # which layers get adapters: converted (the ladder layers) or all
     desync_reduce: str | None = None  # desync layout: which modules all-reduce (default: the MLPs)
     desync_tp: int | None = None  # desync layout: the TP degree to train for, ranks simulated (default: 2)
     # data
     data: list[str] = field(default_factory=lambda: ["shakespeare:train"])
+    data_weights: list[float] | None = None  # each batch draws from the data sources in these proportions
     heldout: list[str] = field(default_factory=lambda: ["shakespeare:heldout"])
+    answers_max_tokens: int = 192  # answers:PROMPTS data: the longest answer the teacher writes
+    answers_temperature: float = 0.7  # ...sampled at this temperature (0: greedy), seeded by seed
+    # distillation (docs/training.md): the model learns the teacher's outputs
+    teacher: str | None = None  # original (the model before conversion), a checkpoint, or none
+    temperature: float = 1.0  # of the KL on logits, which is scaled by temperature^2
+    kl_weight: float = 1.0
+    hidden_weight: float = 0.0  # matching of the residual stream after each converted layer
+    ce_weight: float | None = None  # cross-entropy on the text; default 1 without a teacher, 0 with one
     seq_len: int = 128
     # optimisation
     steps: int = 200
@@ -77,16 +89,51 @@ class TrainConfig:
                 raise LadderError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise LadderError(f"min_lr {self.min_lr:g} is above lr {self.lr:g}: the schedule decays from lr to min_lr")
+        if self.trainable not in TRAINABLE:
+            raise LadderError(f"trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
+        if self.lora_layers not in ("converted", "all"):
+            raise LadderError(f"lora_layers must be converted or all, got {self.lora_layers!r}")
+        if self.lora_rank < 1 or not self.lora_alpha > 0:
+            raise LadderError(f"lora_rank must be >= 1 and lora_alpha > 0, got {self.lora_rank} and {self.lora_alpha}")
+        if self.data_weights is not None:
+            if len(self.data_weights) != len(self.data):
+                raise LadderError(f"data_weights has {len(self.data_weights)} weights for {len(self.data)} data sources")
+            if not all(w >= 0 for w in self.data_weights) or not sum(self.data_weights) > 0:
+                raise LadderError(f"data_weights must be >= 0 and not all 0, got {self.data_weights}")
+        if self.answers_max_tokens < 1 or not self.answers_temperature >= 0:
+            raise LadderError("answers_max_tokens must be >= 1 and answers_temperature >= 0")
+        if not self.temperature > 0:
+            raise LadderError(f"temperature must be > 0, got {self.temperature}")
+        for name in ("kl_weight", "hidden_weight"):
+            if not getattr(self, name) >= 0:
+                raise LadderError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.ce_weight is not None and not self.ce_weight >= 0:
+            raise LadderError(f"ce_weight must be >= 0, got {self.ce_weight}")
+        if self.teacher is None and (self.hidden_weight or self.ce_weight == 0):
+            raise LadderError("hidden_weight and ce_weight=0 need a teacher: set teacher=original or a checkpoint")
+        if self.loss_weights()["kl"] + self.loss_weights()["hidden"] + self.loss_weights()["ce"] == 0:
+            raise LadderError("every loss weight is 0: nothing to train")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise LadderError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+    def loss_weights(self) -> dict[str, float]:
+        """The weight of each loss term: KL to the teacher's logits, residual matching, cross-entropy."""
+        if self.teacher is None:
+            return {"kl": 0.0, "hidden": 0.0, "ce": 1.0 if self.ce_weight is None else self.ce_weight}
+        return {"kl": self.kl_weight, "hidden": self.hidden_weight,
+                "ce": 0.0 if self.ce_weight is None else self.ce_weight}
+
+
+TRAINABLE = ("all", "converted", "lora")
 
 
 def settings_help() -> str:
     """`ladder train --help`'s list of the settings, each as an override with its default value."""
     def spelled(value: Any) -> str:  # as it would be written on the command line
         if isinstance(value, list):
-            return ",".join(value)
+            return ",".join(str(v) for v in value)
         return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
     defaults = TrainConfig()
@@ -96,8 +143,15 @@ def settings_help() -> str:
 
 def _coerce(name: str, value: Any, current: Any) -> Any:
     kind = {f.name: f.type for f in dataclasses.fields(TrainConfig)}[name]
+    if isinstance(value, str) and "list[float]" in str(kind):
+        if value.lower() in ("none", "null"):
+            return None
+        try:
+            return [float(v) for v in value.split(",") if v]
+        except ValueError:
+            raise LadderError(f"{name} expects comma-separated numbers, got {value!r}") from None
     if isinstance(value, str) and "list" in str(kind):
-        return [v for v in value.split(",") if v]
+        return [] if value.lower() in ("none", "null") else [v for v in value.split(",") if v]
     if isinstance(value, str):
         if value.lower() in ("none", "null") and "None" in str(kind):
             return None
