@@ -26,9 +26,12 @@ from ladder.weights import random_model
 CPU = torch.device("cpu")
 
 
-def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`ladder ARGS...` in a fresh interpreter, output captured."""
-    return subprocess.run([sys.executable, "-m", "ladder", *args], capture_output=True, text=True, timeout=timeout)
+def ladder_cli(*args: str, timeout: float = 300, dist_timeout_s: int | None = None) -> subprocess.CompletedProcess:
+    """`ladder ARGS...` in a fresh interpreter, output captured; `dist_timeout_s`: its process groups' timeout
+    (LADDER_DIST_TIMEOUT), for the workers a command starts."""
+    env = {**os.environ, "LADDER_DIST_TIMEOUT": str(dist_timeout_s)} if dist_timeout_s else None
+    return subprocess.run([sys.executable, "-m", "ladder", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 def ladder_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
@@ -57,19 +60,25 @@ def torchrun_ladder(*args: str, dist_timeout_s: int = 60, timeout: float = 300) 
 TWO_NODE_TIMEOUT_S = 360
 
 
+def start_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Sequence[Path | None] = (None, None),
+                    dist_timeout_s: int = 60) -> list[subprocess.Popen]:
+    """One torchrun agent per node (both on localhost), one rank each, running `ladder ARGS` of its node."""
+    port = free_port()
+    return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                              "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                              "-m", "ladder", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "LADDER_DIST_TIMEOUT": str(dist_timeout_s),
+                                                "OMP_NUM_THREADS": "1"})
+            for node, (args, cwd) in enumerate(zip(args_of_node, cwd_of_node, strict=True))]
+
+
 def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Sequence[Path | None] = (None, None),
                           dist_timeout_s: int = 60, timeout: float = TWO_NODE_TIMEOUT_S) -> list[tuple[int, str, str]]:
     """`ladder ARGS...` as on two machines: one torchrun agent per node (here both on localhost), one
     rank each, so every rank is LOCAL_RANK 0 and each node may have its own command line and folder.
     Returns each node's (status, stdout, stderr); fails with both nodes' output if either is still
     running after `timeout` seconds (their agents and workers are killed)."""
-    port = free_port()
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "-m", "ladder", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "LADDER_DIST_TIMEOUT": str(dist_timeout_s),
-                                                 "OMP_NUM_THREADS": "1"})
-             for node, (args, cwd) in enumerate(zip(args_of_node, cwd_of_node, strict=True))]
+    nodes = start_two_nodes(args_of_node, cwd_of_node, dist_timeout_s)
     deadline = time.monotonic() + timeout
     try:
         outputs = [node.communicate(timeout=max(deadline - time.monotonic(), 0.1)) for node in nodes]

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from ladder.comm.base import LocalCommunicator
 from ladder.errors import LadderError
 from ladder.weights import build_model, export_hf_state_dict, load_weights
 
-from helpers import ladder_in_process
+from helpers import ladder_cli, ladder_in_process
 
 CPU = torch.device("cpu")
 SMOLLM = "smollm2-135m-instruct"
@@ -34,11 +33,6 @@ def load(spec: str, **layout) -> tuple[torch.nn.Module, object]:
     model = build_model(config, LocalCommunicator(), CPU)
     load_weights(model, checkpoint.source)
     return model.eval(), checkpoint
-
-
-def ladder_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "LADDER_DIST_TIMEOUT": "120"})
 
 
 # ---- the real model against transformers ------------------------------------------------------------
@@ -125,7 +119,7 @@ def test_hf_folder_at_tp2_equals_tp1(tiny_hf, capsys):
     _, single, _ = tiny_hf
     prompt = ",".join(map(str, TOKENS[0, :6].tolist()))
     args = ["generate", "--model", str(single), "--prompt-ids", prompt, "--max-new-tokens", "8", "--ladder-layers", "2"]
-    outs = [ladder_in_process(capsys, *args, "--tp", "1"), ladder_cli(*args, "--tp", "2")]  # TP 1 starts no workers
+    outs = [ladder_in_process(capsys, *args, "--tp", "1"), ladder_cli(*args, "--tp", "2", dist_timeout_s=120)]  # TP 1 starts no workers
     assert all(o.returncode == 0 for o in outs), outs[1].stderr
     assert outs[0].stdout == outs[1].stdout and outs[0].stdout.startswith("generated: ")
 

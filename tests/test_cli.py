@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ladder.cli.main import build_parser, main
-from ladder.config import PRESETS, ModelConfig, get_preset
+from ladder.config import CPU_DTYPE_VARIABLE, PRESETS, ModelConfig, default_dtype, get_preset
 from ladder.comm.distributed import communication_failure, init_distributed, shutdown_distributed
 from ladder.errors import LadderError
 from ladder.comm.launch import launch, quiet_when_the_launcher_is_gone
@@ -53,6 +53,18 @@ def test_generate_tp2_equals_tp1_and_says_weights_are_random(capsys):
     assert "RANDOM" in one.stderr
     assert generated(one.stdout) == generated(two.stdout)
     assert len(generated(one.stdout).split(":")[1].split()) == 16
+
+
+def test_generate_runs_in_the_dtype_this_cpu_picks(capsys, monkeypatch):
+    """The suite pins float32 (conftest.py); a user's CPU picks its own (bfloat16 where it computes in bf16).
+    Unpinned, `ladder generate` runs in that dtype: the tokens of --dtype <that one>, asked for by name."""
+    monkeypatch.delenv(CPU_DTYPE_VARIABLE)
+    args = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "12"]
+    picked = ladder_in_process(capsys, *args)
+    named = ladder_in_process(capsys, *args, "--dtype", default_dtype("cpu"))
+    assert picked.returncode == named.returncode == 0, picked.stderr + named.stderr
+    assert generated(picked.stdout) == generated(named.stdout)
+    assert len(generated(picked.stdout).split(":")[1].split()) == 12
 
 
 def test_parallel_layout_runs_from_a_preset(capsys):

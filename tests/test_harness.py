@@ -15,7 +15,7 @@ from ladder.comm.base import LocalCommunicator
 from ladder.config import get_preset
 from ladder.spec import ModelSpec
 
-from helpers import CPU, ladder_cli, ladder_in_process
+from helpers import CPU, Server, ladder_cli, ladder_in_process
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
@@ -100,8 +100,6 @@ def test_eval_tasks_bad_input_is_one_line(args, message, capsys):
 
 def test_local_completions_through_ladder_serve_scores_what_ladder_scores(folder):
     """lm-eval's OpenAI-compatible client scores loglikelihood tasks by echo and logprobs."""
-    from test_serve import Server
-
     server = Server("--model", str(folder), "--max-batch", "2", "--max-model-len", "256", "--dtype", "float32")
     try:
         tasks = {"ladder_shakespeare_lastword": 6}

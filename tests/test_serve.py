@@ -4,8 +4,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -24,7 +22,7 @@ from ladder.engine import Engine
 from ladder.spec import ModelSpec
 from ladder.weights import random_model
 
-from helpers import Server, free_port, ladder_cli, ladder_in_process
+from helpers import Server, free_port, ladder_cli, ladder_in_process, start_two_nodes
 
 openai = pytest.importorskip("openai")
 
@@ -352,13 +350,8 @@ def test_two_nodes_under_torchrun_serve_from_global_rank_0():
     """One torchrun agent per node (both on localhost here), one rank each: global rank 0 serves, the
     other follows its plans; SIGTERM to node 0's agent stops both ranks cleanly (torchrun's own agent
     reports the signal it got: that exit status is torch's)."""
-    port, rendezvous = free_port(), free_port()
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(rendezvous),
-                               "-m", "ladder", "serve", "--preset", "tiny", "--tp", "2", "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "LADDER_DIST_TIMEOUT": "60"})
-             for n in (0, 1)]
+    port = free_port()
+    nodes = start_two_nodes([["serve", "--preset", "tiny", "--tp", "2", "--port", str(port)]] * 2)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", nodes, 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)

@@ -2,21 +2,10 @@
 completions, clients that disconnect, bursts above --max-waiting) against a real server, then SIGTERM
 under load. (A rank killed under load: tests/test_serve.py's dead-rank test; the full run: results/serve/soak.md.)"""
 
-import importlib.util
-from pathlib import Path
-
-SOAK = Path(__file__).parents[1] / "experiments" / "soak.py"
-
-
-def load_soak():
-    spec = importlib.util.spec_from_file_location("soak", SOAK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from ladder.bench import soak
 
 
 def test_the_soak_short_mode_serves_every_request_cuts_no_stream_and_stops_cleanly(tmp_path):
-    soak = load_soak()
     folder = soak.write_model(tmp_path / "model")
     result, sigterm = soak.run(folder, [1], *soak.SHORT)
     assert result["requests"] == 200  # 156 in rounds of 12, then a burst of 44

@@ -1,7 +1,5 @@
 """Profiler traces: the overlap read back from a trace, on hand-made traces and on real bench runs."""
 
-import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,11 +10,10 @@ from ladder.bench.sweep import run_sweep
 from ladder.decode_step import DecodeStep
 from ladder.comm.links import LinkModel
 from ladder.bench.summary import read_results
+from ladder.bench import paper_comparison
 from ladder.bench.trace import SYNC_MARKER, link_overlap, read_trace
 
 from helpers import in_flight_at_each_wait
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "experiments" / "gpu"
 
 
 def op(name, ts, dur, cat="cpu_op", tid=1):
@@ -92,31 +89,24 @@ def test_bench_traces_show_overlap_for_ladder_only(traced):
     assert traced[("real", "ladder")]["trace"]["link"]["overlapped_s"] > 0
 
 
-def test_paper_comparison_report(traced):
-    script = SCRIPTS / "paper_comparison.py"
+def test_paper_comparison_report(traced, monkeypatch, capsys):
     results = Path(traced[("slow", "ladder")]["trace"]["path"]).parent / "r.jsonl"
-    out = subprocess.run([sys.executable, str(script), str(results)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "| slow (emulated) | 2 | 1 | ladder |" in out.stdout
-    assert "tiny-ladder-tp2-bs1-slow-rank0.json" in out.stdout
-
-
-def paper_comparison_module():
-    spec = importlib.util.spec_from_file_location("paper_comparison", SCRIPTS / "paper_comparison.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    monkeypatch.setattr(sys, "argv", ["paper_comparison.py", str(results)])
+    paper_comparison.main()
+    out = capsys.readouterr().out
+    assert "| slow (emulated) | 2 | 1 | ladder |" in out
+    assert "tiny-ladder-tp2-bs1-slow-rank0.json" in out
 
 
 def test_paper_comparison_leaves_out_the_traces_of_an_unprofiled_sweep(traced):
     """The compiled 70B sweep of scripts/gpu_checks.sh is not profiled: no empty table for it."""
-    traces = paper_comparison_module().traces
+    traces = paper_comparison.traces
     assert traces([{**r, "trace": None} for r in traced.values()]) == ""
     assert "tiny-ladder-tp2-bs1-slow-rank0.json" in traces(list(traced.values()))
 
 
 def test_paper_speedups_match_the_published_table():
-    paper = paper_comparison_module().paper_speedups()
+    paper = paper_comparison.paper_speedups()
     assert paper[("ladder", "on", 8, 1)] == pytest.approx(1.308, abs=1e-3)  # docs/paper-results.md
     assert paper[("ladder", "off", 8, 1)] == pytest.approx(1.599, abs=1e-3)
     assert paper[("upper-bound", "off", 8, 1)] == pytest.approx(110.59 / 51.66)

@@ -6,9 +6,6 @@ a prefill of B prompts of 64 tokens and a decode step at batch B, medians of a f
 """
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -17,18 +14,9 @@ from ladder.comm.base import LocalCommunicator
 from ladder.decode_step import DecodeStep
 from ladder.engine import Engine
 from ladder.spec import ModelSpec
+from timing import median_ms  # (this folder: first on sys.path when a script runs)
 
 NEVER = 10**9  # an UPCAST_MIN_ROWS that no step reaches: the upcast off
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def prefill_and_decode_ms(model: torch.nn.Module, batch: int) -> tuple[float, float]:

@@ -13,11 +13,11 @@ import functools
 import torch
 
 import ladder.packing as packing
-from bf16_upcast import median_ms  # (this folder, the script's own: first on sys.path)
 from ladder.comm.base import LocalCommunicator
 from ladder.decode_step import DecodeStep
 from ladder.engine import Engine
 from ladder.spec import ModelSpec
+from timing import median_ms  # (this folder: first on sys.path when a script runs)
 
 NEVER = 10**9
 

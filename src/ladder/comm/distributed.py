@@ -9,6 +9,7 @@ import hashlib
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -174,6 +175,11 @@ def communication_failure(exc: BaseException) -> str | None:
 
 def shutdown_distributed() -> None:
     if dist.is_initialized():
+        # A gloo worker thread drops the tensors of the collective it just finished under the GIL, and the
+        # group's destructor joins those threads while this thread holds the GIL: destroyed within a few
+        # milliseconds of the last collective, the two waited on each other for ever (the end of a DDP
+        # run, 1 in a few). Sleeping hands the GIL to them first.
+        time.sleep(0.02)
         dist.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy as copy_module
 import dataclasses
+import gc
 import json
 import math
 import random
@@ -136,10 +137,15 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> T
     """Run (or continue) training on this rank; world size and rank come from the environment."""
     config.validate()  # configs built in Python skip load_train_config
     ctx = init_distributed(config.device)
+    run = None
     try:
         run = _Run(config, ctx, resume)
         return run.loop(progress)
     finally:
+        # DDP's reducer holds the process group: freed after the group was destroyed, it was the group's last
+        # owner and joined gloo's threads in its destructor (see shutdown_distributed). Free it first.
+        del run
+        gc.collect()
         shutdown_distributed()
 
 
