@@ -29,12 +29,21 @@ if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
 LONGEST_FIRST = ("test_vllm.py", "test_bench.py", "test_cli.py", "test_serve.py", "test_train.py")
 
 
+# Files whose tests start processes (servers, launchers, vLLM) nearly all: every test in them is `slow`.
+# Elsewhere a test that starts processes or trains says so itself (@pytest.mark.slow). The rest,
+# `pytest -m "not slow"`, is the quick tier for everyday work.
+SLOW_FILES = (*LONGEST_FIRST, "test_soak.py", "test_harness.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         name = item.path.name
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each file's tests keep their order
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

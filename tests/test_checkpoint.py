@@ -90,6 +90,7 @@ def test_chat_template_renders_like_transformers(smollm, reference):
     assert ours.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_chat_answer_contains_paris_at_tp2_with_int8_weights():
     """Each rank quantizes its shard. (Unquantized at TP 1, the same answer is the server's and vLLM's
     reference: tests/test_serve.py, test_vllm.py. int4 in bf16 at TP 2 answers otherwise:
@@ -115,6 +116,7 @@ def test_hf_folder_logits_equal_transformers(tiny_hf, which):
         torch.testing.assert_close(model(TOKENS), hf_model(TOKENS).logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_hf_folder_at_tp2_equals_tp1(tiny_hf, capsys):
     _, single, _ = tiny_hf
     prompt = ",".join(map(str, TOKENS[0, :6].tolist()))

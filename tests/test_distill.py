@@ -175,6 +175,7 @@ def test_lora_trains_adapters_merges_them_into_the_checkpoint_and_resumes_exactl
     assert loss == pytest.approx(full.eval_loss, rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_distillation_at_world_size_2_equals_world_size_1(corpus, teacher, tmp_path, parallel):
     one = train(distill(corpus, tmp_path / "one", teacher, steps=3), progress=False)

@@ -54,6 +54,7 @@ def test_eval_bad_input_is_one_line(args, message, tmp_path, capsys):
     assert message in lines[0]
 
 
+@pytest.mark.slow
 def test_eval_at_tp_2_under_torchrun_equals_tp_1_and_reports_once(tmp_path):
     text = tmp_path / "play.txt"
     text.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 4)
@@ -70,6 +71,7 @@ def test_eval_at_tp_2_under_torchrun_equals_tp_1_and_reports_once(tmp_path):
     assert 1 < one["perplexity"] < 100  # a real model on English text, not random weights (~49152)
 
 
+@pytest.mark.slow
 def test_two_nodes_reading_different_texts_stop_with_one_line_each(tmp_path):
     """`--text` names a file on each machine: two different files would be scored as one."""
     for node, words in enumerate(["To be, or not to be", "Now is the winter of our discontent"]):

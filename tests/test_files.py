@@ -79,6 +79,7 @@ def copy_run(run: Path, to: Path) -> Path:
 
 # ---- writing ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_the_older_ones_stay_whole(run, tmp_path):
     out = copy_run(run, tmp_path / "run")
     before = {p.name: checkpoint_damage(p) for p in checkpoint_dirs(out)}
@@ -104,6 +105,7 @@ def test_a_full_disk_is_refused_before_the_checkpoint_is_written(run, tmp_path, 
     assert [p.name for p in checkpoint_dirs(out)] == ["step-000003", "step-000006"] and leftovers(out) == []
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_says_no_space(tmp_path):
     """The issue's own case, a 3 MB file system, where this machine lets the tests mount one."""
     mount = tmp_path / "small"
@@ -163,6 +165,7 @@ def test_a_text_file_past_the_limit_is_not_written_and_the_old_one_stays(tmp_pat
     assert out.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["scores.json"]
 
 
+@pytest.mark.slow
 def test_a_picture_past_the_limit_is_one_line(run, tmp_path):
     picture = tmp_path / "loss.png"
     done = ladder_limited(5_000, "train", "plot", str(run), "--out", str(picture))

@@ -61,6 +61,7 @@ def test_timings_that_do_not_grow_with_the_size_fit_no_bandwidth():
         fit_measured_link(flat, "here")
 
 
+@pytest.mark.slow
 def test_bench_link_times_a_real_gloo_group_and_fits_it():
     out = ladder_cli("bench", "link", "--tp", "2", "--sizes", "4K,4M", "--warmup", "2", "--iters", "5", "--json")
     assert out.returncode == 0, out.stderr

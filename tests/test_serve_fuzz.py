@@ -81,6 +81,7 @@ def post(client: httpx.Client, path: str, body: bytes) -> httpx.Response:
     return client.post(path, content=body, headers={"content-type": "application/json"})
 
 
+@pytest.mark.slow
 def test_a_thousand_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
     server, vocab = server
     statuses = []

@@ -198,6 +198,7 @@ def test_without_trust_remote_code_transformers_refuses_a_ladder_folder(folders)
         transformers.AutoModelForCausalLM.from_pretrained(str(folders["ladder"]), trust_remote_code=False)
 
 
+@pytest.mark.slow
 def test_the_folder_runs_where_ladder_is_not_installed(folders):
     """The modeling code imports nothing from ladder: transformers runs it with ladder unimportable."""
     script = ("import sys; sys.modules['ladder'] = None\n"
