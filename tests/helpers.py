@@ -169,6 +169,16 @@ def stop_when_ready(args: list[str], ready: Callable[[int], bool], sig: int, tim
     return proc.returncode, stderr
 
 
+def python_docs_corpus(folder: Path, train_chars: int, heldout_chars: int) -> Path:
+    """A corpus folder (train.txt, heldout.txt) cut from Python's documentation prose."""
+    from ladder.corpora import python_docs_text
+
+    text = python_docs_text()
+    (folder / "train.txt").write_text(text[:train_chars])
+    (folder / "heldout.txt").write_text(text[200_000:200_000 + heldout_chars])
+    return folder
+
+
 def tiny(**changes) -> ModelConfig:
     return get_preset("tiny").replace(**changes) if changes else get_preset("tiny")
 

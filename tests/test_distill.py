@@ -13,7 +13,6 @@ from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.launch import launch
 from ladder.completions import complete
-from ladder.corpora import python_docs_text
 from ladder.engine import Engine
 from ladder.errors import LadderError
 from ladder.evaluate import compare, perplexity
@@ -24,18 +23,14 @@ from ladder.train.distill import ResidualTaps, kl_to_teacher, residual_mismatch
 from ladder.train.loop import train
 from ladder.train.settings import TrainConfig, load_train_config
 
-from helpers import CPU, make_model, tiny
+from helpers import CPU, make_model, python_docs_corpus, tiny
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    text = python_docs_text()
-    (folder / "train.txt").write_text(text[:60_000])
-    (folder / "heldout.txt").write_text(text[200_000:215_000])
-    return folder
+    return python_docs_corpus(tmp_path_factory.mktemp("corpus"), 60_000, 15_000)
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,19 @@ import socket
 import pytest
 import torch
 
-from ladder.corpora import python_docs_text
 from ladder.errors import LadderError
 from ladder.comm.launch import launch
 from ladder.train.checkpoints import checkpoint_dirs
 from ladder.train.loop import train
 from ladder.train.settings import TrainConfig, load_train_config
 
-from helpers import (descendants, has_loaded_torch, ladder_in_process, ladder_lines, stop_when_ready,
-                     torchrun_on_two_nodes)
+from helpers import (descendants, has_loaded_torch, ladder_in_process, ladder_lines, python_docs_corpus,
+                     stop_when_ready, torchrun_on_two_nodes)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    text = python_docs_text()
-    (folder / "train.txt").write_text(text[:120_000])
-    (folder / "heldout.txt").write_text(text[200_000:230_000])
-    return folder
+    return python_docs_corpus(tmp_path_factory.mktemp("corpus"), 120_000, 30_000)
 
 
 def tiny_config(corpus, out, **changes) -> TrainConfig:
