@@ -26,7 +26,7 @@ from ladder.checkpoint.resolve import open_checkpoint
 from ladder.comm.base import LocalCommunicator
 from ladder.corpora import python_docs_text, shakespeare_text
 from ladder.evaluate import perplexity
-from ladder.spec import ModelSpec
+from ladder.model.spec import ModelSpec
 from ladder.train.data import pack, read_texts
 from ladder.train.loop import train
 from ladder.train.settings import TrainConfig

@@ -21,7 +21,7 @@ from ladder.comm.base import LocalCommunicator
 from ladder.evaluate import perplexity
 from ladder.train.simulate import SimulatedRanks
 from ladder.train.checkpoints import checkpoint_dirs
-from ladder.weights import build_model, load_weights
+from ladder.model.weights import build_model, load_weights
 
 
 def main() -> None:

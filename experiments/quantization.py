@@ -20,7 +20,7 @@ buy in speed on this CPU, and what they do to ladder's gain.
 Writes results/quantization/{quality,answers,speed}.jsonl, gain.jsonl (ladder bench's records) and report.md.
 (answers: greedy chat answers of standard and hybrid-8 at TP 1 and 2 in each weight format; serve: the
 engine-speed issue's burst load against `ladder serve` in each weight format, results/quantization/serve.jsonl;
-memory: the peak of torch's CPU allocations while SmolLM2 loads and generates, against `ladder.memory`'s estimate,
+memory: the peak of torch's CPU allocations while SmolLM2 loads and generates, against `ladder.runtime.memory`'s estimate,
 results/quantization/memory.jsonl.)
 """
 
@@ -41,15 +41,15 @@ from ladder.comm.distributed import init_distributed, shutdown_distributed
 from ladder.comm.launch import launch
 from ladder.comm.links import get_links
 from ladder.corpora import python_docs_text, shakespeare_text
-from ladder.decode_step import DecodeStep
-from ladder.engine import Engine
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.engine import Engine
 from ladder.evaluate import perplexity
-from ladder.memory import estimate_memory_bytes, peak_cpu_bytes
-from ladder.packing import weight_bytes
+from ladder.runtime.memory import estimate_memory_bytes, peak_cpu_bytes
+from ladder.cpu.linears import weight_bytes
 from ladder.predict.costmodel import get_gpu, predict_table
-from ladder.quantize import check_quantize
-from ladder.sampling import SamplingParams
-from ladder.spec import ModelSpec
+from ladder.quant.quantize import check_quantize
+from ladder.runtime.sampling import SamplingParams
+from ladder.model.spec import ModelSpec
 
 OUT = Path("results/quantization")
 TEXTS = Path("runs/quantization")  # git-ignored: the held-out texts as files, for `ladder eval`'s request
@@ -206,7 +206,7 @@ MEMORY_CONFIGS = [("float32", None), ("float32", "int8"), ("bfloat16", None), ("
 
 def memory_peak(dtype: str, mode: str | None, step: DecodeStep) -> dict:
     """Peak of torch's CPU tensor bytes while SmolLM2 loads and generates (64 prompt and 64 new tokens,
-    batch 1), against `ladder.memory`'s estimate of the same run."""
+    batch 1), against `ladder.runtime.memory`'s estimate of the same run."""
     spec = ModelSpec(model=MODEL, dtype=dtype, quantize=mode, device="cpu")
     config = spec.config()  # the header read, and torchao imported, before the measure
     check_quantize(mode, "cpu", getattr(torch, dtype))
@@ -364,7 +364,7 @@ def report() -> None:
                      *speed_table(read_jsonl(OUT / "speed.jsonl")), ""]
     if (OUT / "memory.jsonl").exists():
         sections += ["## Memory: peak of torch's CPU allocations while SmolLM2 loads and generates 64 tokens "
-                     "(`ladder.memory.peak_cpu_bytes`) against `ladder.memory`'s estimate", "",
+                     "(`ladder.runtime.memory.peak_cpu_bytes`) against `ladder.runtime.memory`'s estimate", "",
                      *memory_table(read_jsonl(OUT / "memory.jsonl")), ""]
     if (OUT / "serve.jsonl").exists():
         sections += ["## The server under the burst load (32 requests, 8 in flight, 64 prompt + 64 output tokens)", "",

@@ -31,8 +31,8 @@ import torch
 from ladder.bench.serve_load import StartedServer, free_port
 from ladder.checkpoint.hf import save_random_hf
 from ladder.comm.base import LocalCommunicator
-from ladder.config import get_preset
-from ladder.spec import ModelSpec
+from ladder.model.config import get_preset
+from ladder.model.spec import ModelSpec
 
 OUT = Path("results/vllm")  # (--out)
 FOLDERS = Path("runs/vllm-folders")  # git-ignored

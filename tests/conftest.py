@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from ladder.config import CPU_DTYPE_VARIABLE
-from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE
+from ladder.model.config import CPU_DTYPE_VARIABLE
+from ladder.runtime.engine import CPU_GEMM_TEMPLATES_VARIABLE
 
 # Tests compare ladder with transformers and with itself in float32, whatever this CPU computes in: every
 # command the suite starts, in this process or another, defaults to it.

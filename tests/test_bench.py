@@ -18,9 +18,9 @@ from ladder.bench.calibrate import _standard_step_times
 from ladder.bench.records import measured_already
 from ladder.bench.spec import BenchPoint, sweep_points
 from ladder.bench.sweep import run_sweep
-from ladder.config import get_preset
-from ladder.decode_step import DecodeStep
-from ladder.memory import estimate_memory_bytes
+from ladder.model.config import get_preset
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.memory import estimate_memory_bytes
 from ladder.errors import LadderError
 from ladder.comm.emulated import EmulatedCommunicator, wait_until
 from ladder.comm.links import LinkModel, get_link
@@ -702,10 +702,10 @@ def test_generations_in_turns_keep_their_own_caches_samples_and_clocks(one_intra
     random streams), and each result times its own steps only: upper bound's decode time excludes
     the 20 ms waits of standard's all-reduces that ran between its steps (24 of them in all; 5 ms waits
     were too short on a loaded machine, where upper bound's 3 tiny steps once took 43 ms)."""
-    from ladder.config import get_preset
-    from ladder.engine import Engine
-    from ladder.sampling import SamplingParams
-    from ladder.weights import random_model, share_weights
+    from ladder.model.config import get_preset
+    from ladder.runtime.engine import Engine
+    from ladder.runtime.sampling import SamplingParams
+    from ladder.model.weights import random_model, share_weights
 
     cpu = torch.device("cpu")
     link = LinkModel("slow", latency_us=20_000.0, bandwidth_gbps=1.0)
@@ -725,14 +725,14 @@ def test_generations_in_turns_keep_their_own_caches_samples_and_clocks(one_intra
 
 
 def test_layouts_with_the_same_parameters_share_one_copy():
-    from ladder.config import get_preset
+    from ladder.model.config import get_preset
     from ladder.comm.base import LocalCommunicator
-    from ladder.weights import random_model, share_weights
+    from ladder.model.weights import random_model, share_weights
 
     comm, cpu = LocalCommunicator(), torch.device("cpu")
     standard = random_model(get_preset("tiny", layout="standard"), comm, cpu, seed=3)
     ladder = share_weights(get_preset("tiny", layout="ladder"), comm, standard)
-    assert ladder is not None and ladder.config.layout == "ladder"
+    assert ladder is not None and ladder.model.config.layout == "ladder"
     assert [p.data_ptr() for p in ladder.parameters()] == [p.data_ptr() for p in standard.parameters()]
     own = random_model(get_preset("tiny", layout="ladder"), comm, cpu, seed=3)
     tokens = torch.tensor([[1, 5, 9, 2, 7]])
@@ -784,11 +784,11 @@ def test_compiled_decode_waits_at_run_time_and_keeps_the_ladder_overlap(tmp_path
     the previous norm's kernel) or moves the launch down to it (reorder_for_locality), and the wait
     comes right after the launch, as in standard. The order is read from a profiler trace of the
     ops (timing-free); experiments/investigations/compiled_overlap.py measures what it hides."""
-    from ladder.config import get_preset
-    from ladder.engine import Engine
-    from ladder.sampling import SamplingParams
+    from ladder.model.config import get_preset
+    from ladder.runtime.engine import Engine
+    from ladder.runtime.sampling import SamplingParams
     from ladder.bench.trace import profile_generation
-    from ladder.weights import random_model
+    from ladder.model.weights import random_model
 
     from helpers import in_flight_at_each_wait
 

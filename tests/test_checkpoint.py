@@ -15,7 +15,7 @@ from ladder.checkpoint.hf import save_hf
 from ladder.checkpoint.resolve import open_checkpoint, resolve_model
 from ladder.comm.base import LocalCommunicator
 from ladder.errors import LadderError
-from ladder.weights import build_model, export_hf_state_dict, load_weights
+from ladder.model.weights import build_model, export_hf_state_dict, load_weights
 
 from helpers import ladder_cli, ladder_in_process
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ladder.cli.main import build_parser, main
-from ladder.config import CPU_DTYPE_VARIABLE, PRESETS, ModelConfig, default_dtype, get_preset
+from ladder.model.config import CPU_DTYPE_VARIABLE, PRESETS, ModelConfig, default_dtype, get_preset
 from ladder.comm.distributed import communication_failure, init_distributed, shutdown_distributed
 from ladder.errors import LadderError
 from ladder.comm.launch import launch, quiet_when_the_launcher_is_gone

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ladder import config
-from ladder import model as model_module
-from ladder.config import PRESETS, ModelConfig, get_preset
+from ladder.model import config
+from ladder.model import transformer as model_module
+from ladder.model.config import PRESETS, ModelConfig, get_preset
 from ladder.errors import LadderError
-from ladder.spec import ModelSpec
+from ladder.model.spec import ModelSpec
 
 
 def test_paper_shapes():

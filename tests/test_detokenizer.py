@@ -3,7 +3,7 @@
 import pytest
 
 from ladder.checkpoint.resolve import open_checkpoint
-from ladder.detokenizer import IncrementalDetokenizer
+from ladder.runtime.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello, world! It's 3.14 déjà vu 🙂🙂 naïve café", "  leading spaces\n\ttabs and 中文字符 mixed ",
          "def add(a, b):\n    return a + b\n", "ØÆÅ ü ß ÿ — “quotes” … 👩‍👩‍👧"]

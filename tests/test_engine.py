@@ -7,12 +7,12 @@ import torch
 
 from helpers import CPU, make_model, tiny
 from ladder.comm.base import LocalCommunicator
-from ladder.decode_step import DECODE_ATTENTION_VARIABLE, INDUCTOR_OPTIONS_VARIABLE, DecodeStep
-from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE, Engine
-from ladder.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
+from ladder.runtime.decode_step import DECODE_ATTENTION_VARIABLE, INDUCTOR_OPTIONS_VARIABLE, DecodeStep
+from ladder.runtime.engine import CPU_GEMM_TEMPLATES_VARIABLE, Engine
+from ladder.runtime.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.errors import LadderError
-from ladder.step_clock import StepClock
-from ladder.weights import random_model
+from ladder.runtime.step_clock import StepClock
+from ladder.model.weights import random_model
 
 PROMPT = torch.tensor([[5, 17, 42, 7], [9, 3, 200, 1]])
 
@@ -193,7 +193,7 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
 def test_each_decode_attention_kernel_gives_eager_tokens(kernel, traces, monkeypatch):
     """LADDER_DECODE_ATTENTION picks a compiled decode step's attention (on CPU "products" by default); each
     attends to each row's own positions: the tokens of the eager step, which attends through ATen."""
-    import ladder.model as model_module
+    import ladder.model.transformer as model_module
 
     model = make_model(tiny(layout="ladder", n_layers=2, ladder_layers=1))
     eager = Engine(model).generate(PROMPT, 6).tokens
@@ -228,7 +228,7 @@ def test_inductor_options_reach_every_compiled_step_and_bad_ones_are_refused(mon
     monkeypatch.setattr(torch, "compile", lambda *a, **k: options.append(k.get("options")) or real_compile(*a, **k))
     assert Engine(model, DecodeStep.COMPILED_LAYERS).generate(PROMPT, 4).tokens == eager
     Engine(make_model(tiny(layout="ladder")), DecodeStep.COMPILED)
-    from ladder.model import Block
+    from ladder.model.transformer import Block
 
     assert len(options) == 2 * len(Block.STEPS) + 1 + 1  # each layer's steps and the head; the whole step
     assert all(o["coordinate_descent_tuning"] is True for o in options)

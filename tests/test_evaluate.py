@@ -9,7 +9,7 @@ import torch
 from ladder.checkpoint.resolve import open_checkpoint
 from ladder.comm.base import LocalCommunicator
 from ladder.evaluate import perplexity, windows
-from ladder.weights import build_model, load_weights
+from ladder.model.weights import build_model, load_weights
 
 from helpers import CPU, ladder_cli, ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 

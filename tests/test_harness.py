@@ -12,8 +12,8 @@ import torch
 from ladder.checkpoint.hf import save_random_hf
 from ladder.checkpoint.resolve import open_checkpoint
 from ladder.comm.base import LocalCommunicator
-from ladder.config import get_preset
-from ladder.spec import ModelSpec
+from ladder.model.config import get_preset
+from ladder.model.spec import ModelSpec
 
 from helpers import CPU, Server, ladder_cli, ladder_in_process
 

@@ -1,13 +1,13 @@
 """torch inductor's CPU fusion and a custom op that writes its result into a tensor it is given (as vLLM's
 CPU linear layers do): compiled, a ladder schedule read a module's output before the op had written it.
-`ladder.inductor_fix` mends it; this is the reproduction, without vLLM."""
+`ladder.cpu.inductor_fix` mends it; this is the reproduction, without vLLM."""
 
 import pytest
 import torch
 from torch import nn
 from torch._inductor.scheduler import SchedulerNode
 
-from ladder.inductor_fix import keep_mutation_renames
+from ladder.cpu.inductor_fix import keep_mutation_renames
 
 
 @torch.library.custom_op("ladder_test::mm_into", mutates_args=("out",))
@@ -63,5 +63,5 @@ def test_compiled_ladder_reads_each_output_after_the_op_writes_it(monkeypatch):
     # fp32, the same operations in another order: a few ulps of a value near 1
     assert compiled_error(model, x) < 1e-4
     if unfixed < 1e-4:
-        pytest.fail(f"torch {torch.__version__} compiles this correctly without ladder.inductor_fix: "
+        pytest.fail(f"torch {torch.__version__} compiles this correctly without ladder.cpu.inductor_fix: "
                     "drop the fix (and this test's reproduction)")

@@ -1,4 +1,4 @@
-"""Weight-only int8 and int4 (ladder.quantize, through torchao) on one rank: every layout's logits stay
+"""Weight-only int8 and int4 (ladder.quant.quantize, through torchao) on one rank: every layout's logits stay
 within the reasoned error of the unquantized model's, the right layers are quantized, the byte counts
 that the benchmark, the memory estimate and the cost model use are the tensors' own, and every
 combination torchao cannot run is refused in one line. TP=2 (real gloo ranks, the recorded overlap) is
@@ -12,19 +12,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import INT4_RELATIVE_ERROR, INT8_RELATIVE_ERROR, cached_logits, make_model, relative_error, tiny
-from ladder import packing
-from ladder import quantize as quantize_module
-from ladder.decode_step import DecodeStep
-from ladder.engine import Engine
+from ladder.cpu import linears as packing
+from ladder.quant import quantize as quantize_module
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
 from ladder.checkpoint.hf import save_random_hf
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
-from ladder.memory import block_linear_params, peak_cpu_bytes, weight_set_bytes
-from ladder.model import Transformer
-from ladder.packing import Int8RowLinear, weight_bytes, weights_for_step
-from ladder.quantize import block_linears, check_quantize, is_quantized, quantize_shard
-from ladder.spec import ModelSpec
+from ladder.runtime.memory import block_linear_params, peak_cpu_bytes, weight_set_bytes
+from ladder.model.transformer import Transformer
+from ladder.cpu.linears import Int8RowLinear, weight_bytes, weights_for_step
+from ladder.quant.quantize import block_linears, check_quantize, is_quantized, quantize_shard
+from ladder.model.spec import ModelSpec
 
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
 DECODE = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(4))

@@ -17,10 +17,10 @@ import torch
 from ladder.bench.serve_load import LoadSpec, draw_requests, load_tokenizer, server_followers, wait_until_healthy
 from ladder.checkpoint.hf import save_random_hf
 from ladder.comm.base import LocalCommunicator
-from ladder.config import get_preset
-from ladder.engine import Engine
-from ladder.spec import ModelSpec
-from ladder.weights import random_model
+from ladder.model.config import get_preset
+from ladder.runtime.engine import Engine
+from ladder.model.spec import ModelSpec
+from ladder.model.weights import random_model
 
 from helpers import Server, free_port, ladder_cli, ladder_in_process, start_two_nodes
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ladder.checkpoint.hf import save_random_hf
 from ladder.checkpoint.resolve import open_checkpoint
-from ladder.config import get_preset
+from ladder.model.config import get_preset
 
 from test_serve import Server
 

@@ -13,18 +13,18 @@ from torch.profiler import profile
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import LinkModel
-from ladder.config import get_preset
-from ladder.decode_step import DecodeStep
-from ladder.engine import Engine, PrefillChunk
+from ladder.model.config import get_preset
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.errors import LadderError
-from ladder.memory import KvCachePlan, parse_memory_setting, plan_kv_cache
-from ladder.sampling import SamplingParams
+from ladder.runtime.memory import KvCachePlan, parse_memory_setting, plan_kv_cache
+from ladder.runtime.sampling import SamplingParams
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import GenerationParams, Output, Scheduler
 from ladder.serve import scheduler as scheduler_module
 from ladder.serve.steps import StepPlan, run_plan
 
-from ladder.weights import random_model
+from ladder.model.weights import random_model
 
 from helpers import RecordingCommunicator, in_flight_at_each_wait, make_model, overlapped_modules, tiny
 

@@ -36,7 +36,7 @@ CASES = {
     "upper-bound": (tiny(layout="upper-bound"), False),
     "desync, uneven KV groups": (tiny(dim=96, n_heads=6, n_kv_heads=3, layout="desync"), False),
 }
-# Each rank quantizes its own shard (ladder.quantize). int4's groups of 32 input columns fall inside a
+# Each rank quantizes its own shard (ladder.quant.quantize). int4's groups of 32 input columns fall inside a
 # shard, so a rank's groups are the whole model's and TP=2 computes what TP=1 int4 does (ATOL);
 # int8's per-row scales of the row-parallel layers are per rank's half row, so TP=2 int8 is another
 # (finer) quantization, held to the unquantized model by test_quantize's tolerance instead.

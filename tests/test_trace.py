@@ -7,7 +7,7 @@ import pytest
 
 from ladder.bench.spec import BenchPoint
 from ladder.bench.sweep import run_sweep
-from ladder.decode_step import DecodeStep
+from ladder.runtime.decode_step import DecodeStep
 from ladder.comm.links import LinkModel
 from ladder.bench.summary import read_results
 from ladder.bench import paper_comparison

@@ -86,7 +86,7 @@ def test_desync_with_every_module_reduced_trains_as_standard(corpus, tmp_path):
 
 def _desync_logits_on_real_ranks(folder, tokens):
     from ladder.comm.distributed import init_distributed, shutdown_distributed
-    from ladder.spec import ModelSpec
+    from ladder.model.spec import ModelSpec
 
     ctx = init_distributed("cpu", timeout_s=120)
     try:
@@ -100,9 +100,9 @@ def _desync_logits_on_real_ranks(folder, tokens):
 def test_desync_checkpoint_runs_on_its_real_ranks(corpus, tmp_path):
     from ladder.checkpoint.hf import open_hf
     from ladder.comm.base import LocalCommunicator
-    from ladder.spec import ModelSpec
+    from ladder.model.spec import ModelSpec
     from ladder.train.simulate import SimulatedRanks
-    from ladder.weights import build_model, load_weights
+    from ladder.model.weights import build_model, load_weights
 
     result = train(tiny_config(corpus, tmp_path / "run", layout="desync", steps=3), progress=False)
     saved = json.loads((result.final_dir / "config.json").read_text())

@@ -8,7 +8,7 @@ Run: .venv/bin/python experiments/costmodel/crossval.py"""
 
 from dataclasses import asdict
 
-from ladder.config import get_preset
+from ladder.model.config import get_preset
 from ladder.comm.links import fit_link
 from ladder.predict.costmodel import GPUS, CostConstants, Workload, predicted_speedup
 from ladder.predict.fit import fit_constants

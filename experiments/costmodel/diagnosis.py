@@ -10,7 +10,7 @@ Run: .venv/bin/python experiments/costmodel/diagnosis.py"""
 
 from ladder.bench.summary import hidden_fraction
 from ladder.comm.links import link_presets
-from ladder.config import get_preset
+from ladder.model.config import get_preset
 from ladder.predict.costmodel import GPUS, Workload, fitted_constants, predict_tokens_per_s
 from ladder.predict.paper import P2P_LINKS, paper_throughputs
 

@@ -21,8 +21,8 @@ import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from ladder.bench.records import append_jsonl, environment
-from ladder.config import ModelConfig, get_preset
-from ladder.step_clock import synchronize
+from ladder.model.config import ModelConfig, get_preset
+from ladder.runtime.step_clock import synchronize
 
 
 def llama_config(config: ModelConfig) -> LlamaConfig:

@@ -1,4 +1,4 @@
-"""What multiplying bf16 linear layers in fp32 buys on a CPU without bf16 arithmetic (`ladder.model.project`):
+"""What multiplying bf16 linear layers in fp32 buys on a CPU without bf16 arithmetic (`ladder.model.transformer.project`):
 SmolLM2's eager engine (random weights) in bf16 with the upcast off and on, and in fp32 (packed weights),
 a prefill of B prompts of 64 tokens and a decode step at batch B, medians of a few calls.
 
@@ -9,11 +9,11 @@ import argparse
 
 import torch
 
-import ladder.model as model_module
+import ladder.model.transformer as model_module
 from ladder.comm.base import LocalCommunicator
-from ladder.decode_step import DecodeStep
-from ladder.engine import Engine
-from ladder.spec import ModelSpec
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.engine import Engine
+from ladder.model.spec import ModelSpec
 from timing import median_ms  # (this folder: first on sys.path when a script runs)
 
 NEVER = 10**9  # an UPCAST_MIN_ROWS that no step reaches: the upcast off

@@ -24,12 +24,12 @@ def one(layers: int, mode: str) -> dict[str, float]:
     """In this process: the first and second generation's seconds."""
     import torch
 
-    from ladder.config import get_preset
-    from ladder.decode_step import DecodeStep
-    from ladder.engine import Engine
+    from ladder.model.config import get_preset
+    from ladder.runtime.decode_step import DecodeStep
+    from ladder.runtime.engine import Engine
     from ladder.comm.emulated import EmulatedCommunicator
     from ladder.comm.links import get_link
-    from ladder.weights import random_model
+    from ladder.model.weights import random_model
 
     cpu = torch.device("cpu")
     config = get_preset("llama-160m", layout="ladder").replace(n_layers=layers)

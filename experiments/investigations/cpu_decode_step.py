@@ -2,12 +2,12 @@
 64 prompt tokens and 64 new ones over a cache of 256, compiled, each variant compiled in this one process
 and then timed in turns (this machine's speed drifts over minutes). The variants put back, one at a time,
 what the step did before:
-- "all guards": dynamo checks every guard on the model each step (`ladder.engine.guards_off_the_model`
+- "all guards": dynamo checks every guard on the model each step (`ladder.runtime.engine.guards_off_the_model`
   drops them);
 - "rope computed": cos and sin computed from the positions in the graph (`Transformer.cached_rope` reads
   them from tables);
 - "ATen attention": the decode attention through ATen's flash kernel (`Transformer.use_decode_attention("sdpa")`),
-  not `ladder.model.decode_attention`.
+  not `ladder.model.transformer.decode_attention`.
 
     PYTHONPATH=src .venv/bin/python experiments/investigations/cpu_decode_step.py [--quantize int8] [--dtype bfloat16]
         [--rounds 4]
@@ -21,13 +21,13 @@ from collections.abc import Iterator
 
 import torch
 
-import ladder.engine as engine_module
-import ladder.model as model_module
+import ladder.runtime.engine as engine_module
+import ladder.model.transformer as model_module
 from ladder.comm.base import LocalCommunicator
-from ladder.decode_step import DecodeStep
-from ladder.engine import Engine
-from ladder.sampling import SamplingParams
-from ladder.spec import ModelSpec
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.engine import Engine
+from ladder.runtime.sampling import SamplingParams
+from ladder.model.spec import ModelSpec
 
 VARIANTS = {  # name: what it puts back
     "all guards, rope computed, ATen attention (before)": ("guards", "rope", "attention"),

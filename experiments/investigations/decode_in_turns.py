@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ladder.config import get_preset
+from ladder.model.config import get_preset
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
-from ladder.weights import build_model, init_local_shard, share_weights
+from ladder.model.weights import build_model, init_local_shard, share_weights
 
 
 def decode_in_turns(layouts: Sequence[str], link_name: str, scale: float, steps: int

@@ -1,4 +1,4 @@
-"""What ladder's eager int8 path buys over torchao's (`ladder.packing.Int8RowLinear`): SmolLM2 (random
+"""What ladder's eager int8 path buys over torchao's (`ladder.cpu.linears.Int8RowLinear`): SmolLM2 (random
 weights) in bf16 (or --dtype) with int8 weights, eager, a prefill of B prompts of P tokens and a decode step at batch B, with
 torchao's eager linear (the weight cast each call), torch's int8 kernel alone, and the kernel with
 prefills dequantized (ladder's default), medians of a few calls.
@@ -12,11 +12,11 @@ import functools
 
 import torch
 
-import ladder.packing as packing
+import ladder.cpu.linears as packing
 from ladder.comm.base import LocalCommunicator
-from ladder.decode_step import DecodeStep
-from ladder.engine import Engine
-from ladder.spec import ModelSpec
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.engine import Engine
+from ladder.model.spec import ModelSpec
 from timing import median_ms  # (this folder: first on sys.path when a script runs)
 
 NEVER = 10**9

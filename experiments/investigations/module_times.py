@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from ladder.config import get_preset
+from ladder.model.config import get_preset
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
-from ladder.weights import build_model, init_local_shard
+from ladder.model.weights import build_model, init_local_shard
 
 
 def median_ms(run: Callable[[], object], repeats: int = 300) -> float:

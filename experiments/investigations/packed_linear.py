@@ -1,4 +1,4 @@
-"""What packing the weights for oneDNN buys on this CPU (`ladder.packing`): SmolLM2's linear layers alone
+"""What packing the weights for oneDNN buys on this CPU (`ladder.cpu.linears`): SmolLM2's linear layers alone
 at batch 1, 8 and 64, and the server's whole decode step at batch 8, plain (`F.linear`, MKL) and packed.
 
     .venv/bin/python experiments/investigations/packed_linear.py
@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from ladder.comm.base import LocalCommunicator
-from ladder.decode_step import DecodeStep
-from ladder.packing import PackedLinear, weights_for_step
-from ladder.engine import Engine, PrefillChunk
+from ladder.runtime.decode_step import DecodeStep
+from ladder.cpu.linears import PackedLinear, weights_for_step
+from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.serve.steps import StepPlan, run_plan
-from ladder.spec import ModelSpec
+from ladder.model.spec import ModelSpec
 
 
 def per_call_ms(fn, repeats: int = 10) -> float:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ladder.errors import LadderError
-from ladder.model import Transformer
+from ladder.model.transformer import Transformer
 
 
 def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:

@@ -6,7 +6,7 @@ the same numbers on one folder (tests/test_harness.py):
 - loglikelihood: the continuation's log-probability given its context (context and continuation tokenised
   together, the whole cut to the last `max_length` + 1 tokens), and whether greedy decoding gives it;
 - loglikelihood_rolling: a document's log-likelihood over lm-eval's rolling windows of `max_length`;
-- generate_until: greedy (or sampled) text on ladder's engine (`ladder.completions`), cut at the first
+- generate_until: greedy (or sampled) text on ladder's engine (`ladder.runtime.completions`), cut at the first
   stop string.
 Under tensor parallelism every rank runs the harness on the same requests in the same order (it sorts
 them itself), so their forwards pair up; rank 0 reports.
@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ladder.checkpoint.tokenizer import TextTokenizer
-from ladder.completions import complete
-from ladder.engine import Engine
+from ladder.runtime.completions import complete
+from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
-from ladder.model import Transformer
-from ladder.sampling import SamplingParams
+from ladder.model.transformer import Transformer
+from ladder.runtime.sampling import SamplingParams
 
 DEFAULT_MAX_GEN_TOKS = 256  # as lm-eval's hf model
 

@@ -18,7 +18,7 @@ from ladder.bench.worker import build_models
 from ladder.comm.distributed import pick_device
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.launch import launch, under_torchrun
-from ladder.engine import Engine
+from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
 
 _NO_DURATION = 1e-9  # a link scale whose waits are nothing, and whose modelled time / it is the undilated time

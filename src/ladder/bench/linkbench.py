@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ladder.comm.distributed import from_every_rank, init_distributed, shutdown_distributed
 from ladder.comm.launch import launch
 from ladder.comm.links import LinkModel, fit_link
-from ladder.step_clock import synchronize
+from ladder.runtime.step_clock import synchronize
 from ladder.errors import LadderError
 
 # Ladder's own messages span these: a decode step's all-reduce of a 70B model is batch x 16 KiB, a

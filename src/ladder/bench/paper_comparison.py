@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ladder.bench.summary import decode_step, format_summary, hidden_fraction, read_results, summarise
 from ladder.comm.links import link_presets
-from ladder.config import get_preset
+from ladder.model.config import get_preset
 from ladder.predict.costmodel import GPUS, Workload, fitted_constants, predicted_speedup
 from ladder.predict.paper import P2P_LINKS, paper_throughputs
 

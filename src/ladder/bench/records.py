@@ -19,9 +19,9 @@ import torch
 from ladder import __version__
 from ladder.bench.spec import BenchPoint
 from ladder.bench.summary import read_bench_records
-from ladder.config import CPU_DTYPE_VARIABLE
-from ladder.decode_step import DECODE_ATTENTION_VARIABLE, INDUCTOR_OPTIONS_VARIABLE, DecodeStep
-from ladder.engine import CPU_GEMM_TEMPLATES_VARIABLE
+from ladder.model.config import CPU_DTYPE_VARIABLE
+from ladder.runtime.decode_step import DECODE_ATTENTION_VARIABLE, INDUCTOR_OPTIONS_VARIABLE, DecodeStep
+from ladder.runtime.engine import CPU_GEMM_TEMPLATES_VARIABLE
 from ladder.errors import LadderError, check_creatable
 from ladder.files import append_line
 

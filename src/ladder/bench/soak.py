@@ -43,7 +43,7 @@ import httpx
 from ladder.bench.serve_load import descendants, free_port, server_followers, wait_until_healthy
 from ladder.checkpoint.hf import save_random_hf
 from ladder.checkpoint.resolve import open_checkpoint
-from ladder.config import get_preset
+from ladder.model.config import get_preset
 
 OUT = Path("results/serve")
 MODEL_NAME = "soak"

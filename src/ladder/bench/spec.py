@@ -15,11 +15,11 @@ import torch
 from ladder.comm.distributed import pick_device
 from ladder.comm.launch import check_launchable, under_torchrun
 from ladder.comm.links import LinkModel
-from ladder.config import ModelConfig, layout_variants
-from ladder.decode_step import DecodeStep
+from ladder.model.config import ModelConfig, layout_variants
+from ladder.runtime.decode_step import DecodeStep
 from ladder.errors import LadderError
-from ladder.quantize import check_quantize
-from ladder.spec import ModelSpec
+from ladder.quant.quantize import check_quantize
+from ladder.model.spec import ModelSpec
 
 INTERLEAVE_MODES = ("runs", "steps")
 
@@ -42,7 +42,7 @@ class BenchPoint:
     runs: int = 3
     device: str = "auto"
     dtype: str | None = None
-    quantize: str | None = None  # "int8" or "int4" weight-only (ladder.quantize)
+    quantize: str | None = None  # "int8" or "int4" weight-only (ladder.quant.quantize)
     decode_step: DecodeStep = DecodeStep.EAGER
     seed: int = 0
     top_k: int = 200

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ladder.decode_step import DecodeStep
+from ladder.runtime.decode_step import DecodeStep
 from ladder.errors import LadderError
 
 

@@ -25,15 +25,15 @@ from ladder.bench.trace import link_overlap, profile_generation
 from ladder.comm.distributed import from_every_rank, init_distributed, pick_device, shutdown_distributed
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.launch import under_torchrun
-from ladder.config import DTYPE_BYTES
-from ladder.engine import Engine, GenerationResult
+from ladder.model.config import DTYPE_BYTES
+from ladder.runtime.engine import Engine, GenerationResult
 from ladder.errors import LadderError
-from ladder.memory import MEMORY_USABLE, available_memory_bytes, estimate_memory_bytes, fits_in, kv_cache_bytes
-from ladder.model import Transformer
-from ladder.packing import weight_bytes
-from ladder.sampling import SamplingParams
-from ladder.step_clock import StepClock, synchronize
-from ladder.weights import share_weights
+from ladder.runtime.memory import MEMORY_USABLE, available_memory_bytes, estimate_memory_bytes, fits_in, kv_cache_bytes
+from ladder.model.transformer import Transformer
+from ladder.cpu.linears import weight_bytes
+from ladder.runtime.sampling import SamplingParams
+from ladder.runtime.step_clock import StepClock, synchronize
+from ladder.model.weights import share_weights
 
 
 def check_fits(group: Sequence[BenchPoint], device: torch.device) -> None:

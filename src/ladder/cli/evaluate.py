@@ -17,7 +17,7 @@ from ladder.errors import LadderError, check_creatable
 from ladder.evaluate import compare, perplexity
 from ladder.files import write_text
 from ladder.harness import ladder_lm, offline_tasks_dir
-from ladder.spec import ModelSpec
+from ladder.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)

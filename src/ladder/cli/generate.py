@@ -12,13 +12,13 @@ from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.cli.common import add_model_options, decode_step, info, model_spec, parse_ids
 from ladder.comm.distributed import check_ranks_agree, init_distributed, print_rank0, shutdown_distributed
 from ladder.comm.launch import launch
-from ladder.decode_step import DecodeStep
-from ladder.detokenizer import IncrementalDetokenizer
-from ladder.engine import Engine
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.detokenizer import IncrementalDetokenizer
+from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
-from ladder.limits import check_context, check_token_ids
-from ladder.sampling import SamplingParams
-from ladder.spec import ModelSpec
+from ladder.runtime.limits import check_context, check_token_ids
+from ladder.runtime.sampling import SamplingParams
+from ladder.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from ladder.cli.common import add_model_options, decode_step, model_spec
 from ladder.comm.launch import launch
 from ladder.comm.links import link_presets
 from ladder.errors import LadderError, Stopped
-from ladder.limits import check_max_model_len
-from ladder.memory import parse_memory_setting
+from ladder.runtime.limits import check_max_model_len
+from ladder.runtime.memory import parse_memory_setting
 from ladder.serve.worker import ServeSettings, serve_on_rank
 
 API_KEY_VARIABLE = "LADDER_API_KEY"

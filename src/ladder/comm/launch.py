@@ -40,7 +40,7 @@ WORKER_ENV = "LADDER_LAUNCHED_WORKER"
 # What a fork server imports once for all its workers: the heavy part of every worker's start-up.
 # (torch._dynamo: functional collectives and custom ops import it at their first call, 2.5 s on a small CPU.)
 FORK_SERVER_PRELOAD = ["ladder", "torch", "torch.distributed", "torch._dynamo", "ladder.comm.launch",
-                       "ladder.model", "ladder.engine", "ladder.bench.worker", "ladder.train.loop"]
+                       "ladder.model.transformer", "ladder.runtime.engine", "ladder.bench.worker", "ladder.train.loop"]
 # This module's environment when it was imported: in a fork server's worker, the fork server's (see
 # `_adopt_environment`).
 _ENVIRONMENT_AT_IMPORT = dict(os.environ)

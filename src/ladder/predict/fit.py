@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ladder.comm.links import LinkModel, link_presets
-from ladder.config import get_preset
+from ladder.model.config import get_preset
 from ladder.errors import LadderError
 from ladder.predict.costmodel import (GPU, GPUS, Constants, CostConstants, LinkOf, Workload, constant_tensors,
                                       constant_values, fitted_constants, predict_seconds_of, predicted_speedup,

@@ -11,7 +11,7 @@ from importlib import resources
 from typing import Any
 
 from ladder.comm.links import Collectives, LinkModel, fit_link
-from ladder.config import get_preset
+from ladder.model.config import get_preset
 from ladder.predict.costmodel import Workload
 
 P2P_LINKS = {"on": "nvlink-h100", "off": "pcie-no-p2p"}  # the paper's two conditions

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ladder.checkpoint.tokenizer import TextTokenizer
-from ladder.limits import vocabulary_error
-from ladder.sampling import SamplingParams
+from ladder.runtime.limits import vocabulary_error
+from ladder.runtime.sampling import SamplingParams
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                    ChatCompletionRequest, ChatDelta, ChatMessageOut, Completion, CompletionChoice,

@@ -5,7 +5,7 @@ own position with its own sampling parameters and stop conditions. A step has a 
 (`max_num_batched_tokens`, vLLM's name): one token of every running request, then prompt chunks of the
 requests being prefilled, oldest first, as many as the budget holds. So a burst of arrivals prefills
 together, and a long prompt delays the running requests by one budget's forward at most. Every row of
-a step is sampled in one call (`ladder.sampling`), and its text comes from each request's incremental
+a step is sampled in one call (`ladder.runtime.sampling`), and its text comes from each request's incremental
 detokenizer. A finished, cancelled or disconnected request gives its KV-cache row back at once
 (the running rows first: `ladder.serve.steps`).
 
@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.distributed import communication_failure
-from ladder.detokenizer import IncrementalDetokenizer
-from ladder.engine import Engine, PrefillChunk
+from ladder.runtime.detokenizer import IncrementalDetokenizer
+from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.errors import LadderError
-from ladder.sampling import SamplingBatch, SamplingParams, sample
+from ladder.runtime.sampling import SamplingBatch, SamplingParams, sample
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.steps import StepLogits, StepPlan, run_plan, share_plan
 

@@ -1,4 +1,4 @@
-"""A step of the server, as every tensor-parallel rank runs it on its engine (`ladder.engine`).
+"""A step of the server, as every tensor-parallel rank runs it on its engine (`ladder.runtime.engine`).
 
 Rank 0 decides each step (`ladder.serve.scheduler`) and sends its `StepPlan` to the other ranks over
 the model's process group (`share_plan`); then every rank runs the same forwards on its shard, so the
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ladder.engine import Engine, PrefillChunk
+from ladder.runtime.engine import Engine, PrefillChunk
 
 
 @dataclass

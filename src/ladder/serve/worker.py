@@ -29,16 +29,16 @@ from ladder.comm.distributed import (DistContext, check_ranks_agree, from_every_
                                      say, shutdown_distributed)
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
-from ladder.decode_step import DecodeStep
-from ladder.engine import Engine
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
-from ladder.limits import check_max_model_len
-from ladder.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
+from ladder.runtime.limits import check_max_model_len
+from ladder.runtime.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
 from ladder.serve.api import ServerState, create_app
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import Scheduler
 from ladder.serve.steps import run_plan, share_plan
-from ladder.spec import ModelSpec
+from ladder.model.spec import ModelSpec
 
 
 ABORTED_STREAMS_END_S = 5  # after the drain: for aborted streams to send their last event

@@ -1,5 +1,5 @@
 """Self-distillation data: the teacher's own answers to a set of prompts, written by ladder's engine
-(`ladder.completions`). No dataset is needed, the text is in the teacher's chat format, and its
+(`ladder.runtime.completions`). No dataset is needed, the text is in the teacher's chat format, and its
 distribution is the teacher's, which a converted model must match.
 
 `data=answers:builtin` (or `answers:PROMPTS.txt`) in `ladder train`. The answers are written once into
@@ -19,12 +19,12 @@ import torch
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.distributed import from_every_rank, say
-from ladder.completions import complete
-from ladder.engine import Engine
+from ladder.runtime.completions import complete
+from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
 from ladder.files import write_text
-from ladder.sampling import SamplingParams
-from ladder.spec import ModelSpec
+from ladder.runtime.sampling import SamplingParams
+from ladder.model.spec import ModelSpec
 from ladder.train.prompts import read_prompts
 
 ANSWERS_PREFIX = "answers:"

@@ -23,7 +23,7 @@ from ladder.errors import LadderError
 from ladder.files import check_room, folder_bytes, safetensors_damage, writing
 from ladder.train.lora import ADAPTERS_FILE, has_lora, load_adapters, merged, save_adapters
 from ladder.train.settings import TrainConfig
-from ladder.weights import export_hf_state_dict, load_weights
+from ladder.model.weights import export_hf_state_dict, load_weights
 
 
 def _rng_state() -> dict[str, Any]:

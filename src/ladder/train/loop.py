@@ -36,9 +36,9 @@ from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint
                                      shutdown_distributed)
 from ladder.errors import LadderError, Stopped
 from ladder.files import append_line
-from ladder.model import Transformer
-from ladder.quantize import quantize_shard
-from ladder.spec import ModelSpec
+from ladder.model.transformer import Transformer
+from ladder.quant.quantize import quantize_shard
+from ladder.model.spec import ModelSpec
 from ladder.train.checkpoints import (check_out_dir_is_shared, checkpoint_dirs, load_latest_checkpoint,
                                       resume_optimizer, save_checkpoint)
 from ladder.train.answers import answer_texts, is_answers
@@ -357,7 +357,7 @@ class _StopRequest:
 
 
 def quantized_copy(model: Transformer, mode: str) -> Transformer:
-    """A copy of the model being trained with its block linears quantized (`ladder.quantize`): the
+    """A copy of the model being trained with its block linears quantized (`ladder.quant.quantize`): the
     held-out loss a user who serves it `--quantize`d would see."""
     copy = copy_module.deepcopy(model, memo={id(model.comm): model.comm})  # the same group, not a copy
     quantize_shard(copy, mode)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ladder.errors import LadderError
-from ladder.model import Transformer
+from ladder.model.transformer import Transformer
 
 TARGETS = ["wqkv", "wo", "w13", "w2"]  # every block linear (fused QKV and gate/up, as ladder holds them)
 ADAPTERS_FILE = "adapters.safetensors"

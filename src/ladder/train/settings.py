@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from ladder.errors import LadderError
-from ladder.quantize import QUANTIZE_MODES
+from ladder.quant.quantize import QUANTIZE_MODES
 
 
 @dataclass

@@ -4,7 +4,7 @@ A desync model is a different function for every TP degree T: between all-reduce
 stream is updated by that rank's heads and MLP columns only (docs/layouts.md). Training one for T ranks
 therefore needs the T streams, not the TP=1 model. `SimulatedRanks` computes them in one process from
 the whole (TP=1) weights: rank k's shard of each module is cut from the whole matrices with exactly the
-slices `ladder.weights.load_weights` copies on a real rank k, but as differentiable views, so gradients
+slices `ladder.model.weights.load_weights` copies on a real rank k, but as differentiable views, so gradients
 reach the whole weights. A model trained here, saved whole with `desync_tp = T`, runs unchanged on T
 real ranks (`ladder eval --tp T`); tests/test_tp.py checks the two agree.
 """
@@ -16,9 +16,9 @@ from torch import nn
 from torch.func import functional_call
 
 from ladder.errors import LadderError
-from ladder.config import ShardShape
-from ladder.model import Block, Transformer
-from ladder.weights import hf_views, rank_parameters
+from ladder.model.config import ShardShape
+from ladder.model.transformer import Block, Transformer
+from ladder.model.weights import hf_views, rank_parameters
 
 
 class _RankBranch(nn.Module):

@@ -5,11 +5,11 @@ RMSNorm, rotary embedding, vocabulary-parallel embedding and head, sampler, weig
 pipeline stages. What ladder owns is what vLLM cannot express, the schedule of the all-reduces: the
 row-parallel projections return partial sums (`reduce_results=False`), and the layer loop launches
 each all-reduce through a ladder `Communicator` on vLLM's TP group without waiting, and waits only
-where the layout needs the sum, exactly as `ladder.model.Transformer._ladder_layers` does.
+where the layout needs the sum, exactly as `ladder.model.transformer.Transformer._ladder_layers` does.
 
 On CPU, vLLM compiles the model (its DYNAMO_TRACE_ONCE mode, inductor) unless told `--enforce-eager`,
 with settings that ladder's own compiled step uses too: inductor's `reorder_for_locality` off (it would
-move each all-reduce launch down to its wait, and the overlap with it), and `ladder.inductor_fix` (torch
+move each all-reduce launch down to its wait, and the overlap with it), and `ladder.cpu.inductor_fix` (torch
 2.13's CPU fusion read a ladder module's output before vLLM's linear layer had written it); and one of
 its own, the CPP backend's horizontal fusion off (`prepare_inductor`). On
 CUDA it runs eager: vLLM's piecewise CUDA graphs around ladder's collectives have not run on a GPU. The
@@ -42,7 +42,7 @@ from ladder.comm.distributed import TorchCommunicator
 from ladder.comm.emulated import EmulatedCommunicator, trace_emulated_launches
 from ladder.comm.links import get_link
 from ladder.errors import LadderError
-from ladder.inductor_fix import keep_mutation_renames
+from ladder.cpu.inductor_fix import keep_mutation_renames
 from ladder.remote_code.configuration_ladder_llama import LadderLlamaConfig
 from ladder.vllm_plugin.config import check_layout, layout_of
 
@@ -133,7 +133,7 @@ def compiled_by_vllm(vllm_config: VllmConfig) -> bool:
 def prepare_inductor(vllm_config: VllmConfig) -> None:
     """Before vLLM compiles: keep each all-reduce's launch where ladder put it, let an emulated link trace,
     and keep inductor's CPU fusion from reading a linear layer's output before vLLM's op writes it: the
-    fix for the bug found (`ladder.inductor_fix`), and no horizontal fusion in the CPP backend, where a
+    fix for the bug found (`ladder.cpu.inductor_fix`), and no horizontal fusion in the CPP backend, where a
     second case (a 10-layer hybrid in two pipeline stages) gave wrong tokens with the fix alone."""
     options = vllm_config.compilation_config.inductor_compile_config
     options["reorder_for_locality"] = False
@@ -207,7 +207,7 @@ class LadderLlamaModel(nn.Module):
 
     def _ladder_layers(self, r: torch.Tensor, positions: torch.Tensor, layers: list[LadderDecoderLayer],
                        pending: list[Handle]) -> tuple[torch.Tensor, list[Handle]]:
-        """Standard, ladder and hybrid, as `ladder.model.Transformer._ladder_layers` (its docstring has
+        """Standard, ladder and hybrid, as `ladder.model.transformer.Transformer._ladder_layers` (its docstring has
         the diagram): module j reads r_{j-1} (standard) or r_{j-2} (ladder); `pending` holds the
         all-reduces not yet added to r, oldest first; a ladder module waits for all but the newest."""
         comm, first_ladder_module = self.comm, 2 * self.first_ladder_layer

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ladder.errors import LadderError
-from ladder.model import Transformer
+from ladder.model.transformer import Transformer
 
 QUANTIZE_MODES = ("int8", "int4")
 INT4_GROUP = 32
@@ -125,7 +125,7 @@ def int4_in_row_chunks(ao: Any, weight: torch.Tensor, rows: int = CHUNK_ROWS) ->
     """torchao's CPU int4 of `weight` (`PrototypeInt4WeightOnlyConfig`'s tensor), `rows` rows at a time:
     the same tensor as quantizing it whole (groups run along a row, the kernel packs rows in blocks of
     INT4_CPU_PACKED_ROWS, and the scales' row axis concatenates), without its int32 and bf16 temporaries
-    of the whole weight, which set a quantized SmolLM2's peak while loading (1.08 of `ladder.memory`'s
+    of the whole weight, which set a quantized SmolLM2's peak while loading (1.08 of `ladder.runtime.memory`'s
     estimate)."""
     if rows % INT4_CPU_PACKED_ROWS:
         raise ValueError(f"int4 chunks of {rows} rows would split the kernel's blocks of {INT4_CPU_PACKED_ROWS}")

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
-from ladder.engine import Engine, PrefillChunk
+from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.errors import LadderError
-from ladder.limits import check_context
-from ladder.sampling import SamplingBatch, SamplingParams, row_generators, sample
+from ladder.runtime.limits import check_context
+from ladder.runtime.sampling import SamplingBatch, SamplingParams, row_generators, sample
 
 
 @torch.inference_mode()
@@ -37,7 +37,7 @@ def complete(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: i
     longest = max(len(p) for p in prompts)
     check_context(longest, max_new_tokens, engine.model.config.max_seq_len)
     # One cache for every batch: the longest prompt and its new tokens (the last is never fed back, so the
-    # last position stays the padding's scratch position: `ladder.engine`).
+    # last position stays the padding's scratch position: `ladder.runtime.engine`).
     engine.reserve(min(batch_size, len(prompts)), longest + max_new_tokens)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]

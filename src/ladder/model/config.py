@@ -1,7 +1,7 @@
 """Model configuration: Llama-family shapes, the residual layout, and named presets.
 
 The config describes the *whole* model. Tensor parallelism never mutates it: the model computes its
-local head counts from the TP degree it is built with (see `ladder.model`).
+local head counts from the TP degree it is built with (see `ladder.model.transformer`).
 """
 
 from __future__ import annotations

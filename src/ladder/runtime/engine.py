@@ -34,14 +34,14 @@ from typing import Any
 import torch
 
 from ladder.comm.emulated import trace_emulated_launches
-from ladder.decode_step import DECODE_ATTENTION_VARIABLE, DecodeStep, inductor_options
+from ladder.runtime.decode_step import DECODE_ATTENTION_VARIABLE, DecodeStep, inductor_options
 from ladder.errors import LadderError
-from ladder.inductor_fix import keep_mutation_renames
-from ladder.limits import check_context, check_token_ids
-from ladder.model import Transformer
-from ladder.packing import weights_for_step
-from ladder.sampling import SamplingBatch, SamplingParams, row_generators, sample
-from ladder.step_clock import Lap, StepClock, to_device
+from ladder.cpu.inductor_fix import keep_mutation_renames
+from ladder.runtime.limits import check_context, check_token_ids
+from ladder.model.transformer import Transformer
+from ladder.cpu.linears import weights_for_step
+from ladder.runtime.sampling import SamplingBatch, SamplingParams, row_generators, sample
+from ladder.runtime.step_clock import Lap, StepClock, to_device
 
 TokenCallback = Callable[[torch.Tensor], None]
 """Called with each new token column (B,) as soon as it is sampled (for streaming)."""

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ladder.comm.base import Communicator
-from ladder.config import ModelConfig, ShardShape
+from ladder.model.config import ModelConfig, ShardShape
 from ladder.errors import LadderError
-from ladder.model import Block, RMSNorm, Transformer
+from ladder.model.transformer import Block, RMSNorm, Transformer
 
 Slice = tuple[slice, slice]  # (rows, columns)
 ALL: Slice = (slice(None), slice(None))

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from ladder.config import ModelConfig, ShardShape
-from ladder.decode_step import DecodeStep
-from ladder.engine import cpu_gemm_templates
+from ladder.model.config import ModelConfig, ShardShape
+from ladder.runtime.decode_step import DecodeStep
+from ladder.runtime.engine import cpu_gemm_templates
 from ladder.errors import LadderError
-from ladder.packing import DEQUANTIZE_ROWS
-from ladder.quantize import bytes_per_weight, quantizes_head
+from ladder.cpu.linears import DEQUANTIZE_ROWS
+from ladder.quant.quantize import bytes_per_weight, quantizes_head
 
 MEMORY_USABLE = 0.9  # of a device's memory; the rest is the allocator's, CUDA's and the graphs' own
 
@@ -45,8 +45,8 @@ def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: 
 
 def cpu_step_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str | None, step: DecodeStep) -> int:
     """What a CPU engine's layers hold beyond the weights: an int8 layer dequantizes a prefill's weight
-    `DEQUANTIZE_ROWS` output rows at a time, in float32 (`ladder.packing.Int8RowLinear`). A compiled step with
-    frozen weights (`ladder.engine.compile_step`) packs each linear weight that inductor's GEMM templates
+    `DEQUANTIZE_ROWS` output rows at a time, in float32 (`ladder.cpu.linears.Int8RowLinear`). A compiled step with
+    frozen weights (`ladder.runtime.engine.compile_step`) packs each linear weight that inductor's GEMM templates
     take (all but int4's: no AVX2 template) into a blocked copy of its own, beside the one the eager prefill
     reads, and holds one more copy of the largest while it packs it. Measured on SmolLM2 (docs/quantization.md):
     int8's packed copies 135 MB; int4's head (bf16) 56.6 MB kept, 56.6 more at the peak. Unquantized, the

@@ -15,7 +15,7 @@ from typing import Any
 from ladder.errors import LadderError
 
 DECODE_ATTENTION_VARIABLE = "LADDER_DECODE_ATTENTION"
-"""sdpa, products or flex: how a compiled decode step attends (`ladder.model.decode_attention_kernel`), to
+"""sdpa, products or flex: how a compiled decode step attends (`ladder.model.transformer.decode_attention_kernel`), to
 measure them against each other on a GPU (scripts/gpu_checks.sh, step `variants`); unset: the device's
 default."""
 INDUCTOR_OPTIONS_VARIABLE = "LADDER_INDUCTOR_OPTIONS"

@@ -20,11 +20,11 @@ from ladder.checkpoint.resolve import open_checkpoint, resolve_model
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import Communicator
 from ladder.comm.distributed import pick_device
-from ladder.config import DTYPE_BYTES, ModelConfig, default_dtype, get_preset
+from ladder.model.config import DTYPE_BYTES, ModelConfig, default_dtype, get_preset
 from ladder.errors import LadderError
-from ladder.model import Transformer
-from ladder.quantize import check_quantize, check_shard, quantize_layers, quantize_shard
-from ladder.weights import build_model, fill_random, load_weights
+from ladder.model.transformer import Transformer
+from ladder.quant.quantize import check_quantize, check_shard, quantize_layers, quantize_shard
+from ladder.model.weights import build_model, fill_random, load_weights
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
@@ -81,7 +81,7 @@ class ModelSpec:
     dtype: str | None = None
     shard_vocab: bool = False
     seed: int = 0
-    quantize: str | None = None  # "int8" or "int4" weight-only (ladder.quantize), applied to each shard
+    quantize: str | None = None  # "int8" or "int4" weight-only (ladder.quant.quantize), applied to each shard
 
     @property
     def label(self) -> str:

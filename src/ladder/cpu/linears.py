@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladder.decode_step import DecodeStep
-from ladder.model import HALF_PRECISION, Attention, FeedForward, Transformer, cpu_compute_dtype
-from ladder.quantize import is_int8_per_row, is_quantized, tensor_bytes
+from ladder.runtime.decode_step import DecodeStep
+from ladder.model.transformer import HALF_PRECISION, Attention, FeedForward, Transformer, cpu_compute_dtype
+from ladder.quant.quantize import is_int8_per_row, is_quantized, tensor_bytes
 
 # Rows from which an int8 layer is faster dequantized (then one GEMM) than on torch's int8 kernel, which
 # computes per row: measured with experiments/investigations/int8_eager.py.

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladder.config import ModelConfig, ShardShape, cpu_computes_in_bf16
+from ladder.model.config import ModelConfig, ShardShape, cpu_computes_in_bf16
 from ladder.comm.base import Communicator, Done, Handle, LocalCommunicator
-from ladder.decode_step import inductor_options
+from ladder.runtime.decode_step import inductor_options
 from ladder.errors import LadderError
 
 CPU_COMPUTES_IN_BF16 = cpu_computes_in_bf16()  # else half-precision attention and linears run upcast
@@ -148,7 +148,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x); a half-precision weight shared by many rows, on a CPU without bf16 arithmetic, in float32:
     PyTorch has no bf16 matrix kernel for AVX2, so each row is one more pass over the weight, while the
-    upcast weight is read once more than the half one. Quantized and packed layers (`ladder.packing`, an
+    upcast weight is read once more than the half one. Quantized and packed layers (`ladder.cpu.linears`, an
     eager CPU step's) and every other case run the layer as it is."""
     weight = getattr(layer, "weight", None)
     if (type(weight) is nn.Parameter and x.device.type == "cpu" and weight.dtype in HALF_PRECISION
@@ -282,7 +282,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The whole decoder on one tensor-parallel rank.
 
-    Build it on the meta device and materialise only this rank's shard (see `ladder.weights`).
+    Build it on the meta device and materialise only this rank's shard (see `ladder.model.weights`).
     `forward(tokens, input_pos)` returns full-vocabulary logits (B, T, vocab) on every rank.
     """
 
@@ -296,7 +296,7 @@ class Transformer(nn.Module):
         if self.shard_vocab and config.vocab_size % tp:
             raise LadderError(f"vocab_size {config.vocab_size} is not divisible by tensor-parallel degree {tp}")
         self.shard = ShardShape.of(config, rank, tp, self.shard_vocab)
-        # Built on meta, filled later (ladder.weights). Given its storage, nn.Embedding skips its normal_
+        # Built on meta, filled later (ladder.model.weights). Given its storage, nn.Embedding skips its normal_
         # initialiser: on meta, torch runs it through a Python reference whose first use imports
         # torch._dynamo, seconds of every command's start-up.
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim,

@@ -1,0 +1,1 @@
+"""Quantized weights (torchao): int8 and int4 weight-only."""

@@ -1,0 +1,1 @@
+"""Running a model: the engine and its decode steps, sampling, detokenizing, memory and limits."""
