@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ladder.model.config import ModelConfig, ShardShape, cpu_computes_in_bf16
-from ladder.comm.base import Communicator, Done, Handle, LocalCommunicator
+from ladder.comm.base import Communicator, LocalCommunicator
 from ladder.runtime.decode_step import inductor_options
 from ladder.errors import LadderError
+from ladder.model.schedule import ladder_residual
 
 CPU_COMPUTES_IN_BF16 = cpu_computes_in_bf16()  # else half-precision attention and linears run upcast
 HALF_PRECISION = (torch.bfloat16, torch.float16)
@@ -428,40 +429,10 @@ class Transformer(nn.Module):
             yield 2 * i + 1, layer.mlp_step
 
     def _ladder_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:
-        """Standard, ladder and hybrid: module j reads r_{j-1} (standard) or r_{j-2} (ladder).
-
-        standard module:                       ladder module (AR of y_j overlaps h_{j+1}):
-            r ----> h_j --AR--> (+) --> r         r_{j-2} --> h_j --AR_async ............
-            |                    ^                r_{j-1} --> h_{j+1} --AR_async .....  :
-            +--------------------+                          wait(y_j); r_j = r_{j-1} + y_j
-                                                            h_{j+2}(r_j) ...
-
-        `pending` holds the handles of outputs not yet added to r, oldest first. Before a ladder
-        module all but the newest are waited on and added (so it reads r_{j-2}, and the newest
-        all-reduce keeps running while this module computes); before a standard module all are.
-        That is at most one output a module (the step adds it, or zeros where none is due: one graph
-        for every layer). A hybrid model is this loop with ladder modules only in its last N layers:
-        the first ladder attention then reads the residual without the previous (standard) layer's MLP,
-        so that MLP's all-reduce, like a ladder module's, runs while the attention computes.
-        """
-        pending: list[Handle] = []
-        y = None  # the newest module's output: the compute a wait must come after
-        nothing = torch.zeros_like(r)
-        # Looked up once a forward, not once a module: this loop runs between matrix products, where
-        # the interpreter runs cold and each Python call costs microseconds that upper bound never pays.
-        first_ladder_module = 2 * self.config.first_ladder_layer
-        # The modules whose output the next module does not wait for: every ladder one, and the last
-        # standard one before them (none in a standard model: 2 * n_layers is past its last module).
+        """Standard, ladder and hybrid: the ladder recurrence (`ladder.model.schedule.ladder_residual`)."""
         n_modules = 2 * self.config.n_layers
-        first_overlapped = first_ladder_module - 1 if first_ladder_module < n_modules else n_modules
-        comm = self.comm
-        for j, module in self._residual_modules(rope, input_pos, mask, rows):
-            stale = j >= first_ladder_module
-            arrived = pending.pop(0).wait(after=y) if len(pending) > (1 if stale else 0) else nothing
-            r, y = module(r, arrived)  # y: (B, T, dim), partial sum of this rank
-            pending.append(comm.all_reduce_async(y) if j >= first_overlapped else Done(comm.all_reduce(y)))
-        for handle in pending:  # only the last all-reduce is exposed
-            r = r + handle.wait(after=y)
+        r, _ = ladder_residual(r, self._residual_modules(rope, input_pos, mask, rows), self.comm,
+                               2 * self.config.first_ladder_layer, n_modules, nothing=torch.zeros_like(r))
         return r
 
     def _parallel_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:

@@ -5,7 +5,8 @@ RMSNorm, rotary embedding, vocabulary-parallel embedding and head, sampler, weig
 pipeline stages. What ladder owns is what vLLM cannot express, the schedule of the all-reduces: the
 row-parallel projections return partial sums (`reduce_results=False`), and the layer loop launches
 each all-reduce through a ladder `Communicator` on vLLM's TP group without waiting, and waits only
-where the layout needs the sum, exactly as `ladder.model.transformer.Transformer._ladder_layers` does.
+where the layout needs the sum: `ladder.model.schedule.ladder_residual`, the function ladder's own
+model runs.
 
 On CPU, vLLM compiles the model (its DYNAMO_TRACE_ONCE mode, inductor) unless told `--enforce-eager`,
 with settings that ladder's own compiled step uses too: inductor's `reorder_for_locality` off (it would
@@ -19,7 +20,8 @@ start-up line says which.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 
 import torch
@@ -41,8 +43,9 @@ from ladder.comm.base import Communicator, Done, Handle, LocalCommunicator
 from ladder.comm.distributed import TorchCommunicator
 from ladder.comm.emulated import EmulatedCommunicator, trace_emulated_launches
 from ladder.comm.links import get_link
-from ladder.errors import LadderError
 from ladder.cpu.inductor_fix import keep_mutation_renames
+from ladder.errors import LadderError
+from ladder.model.schedule import ModuleStep, ladder_residual
 from ladder.remote_code.configuration_ladder_llama import LadderLlamaConfig
 from ladder.vllm_plugin.config import check_layout, layout_of
 
@@ -122,6 +125,19 @@ class LadderDecoderLayer(nn.Module):
     def parallel(self, positions: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         u = self.input_layernorm(r)
         return self.self_attn(positions=positions, hidden_states=u) + self.mlp(u)
+
+
+def residual_steps(layers: list[LadderDecoderLayer], start: int, positions: torch.Tensor) -> Iterator[tuple[int, ModuleStep]]:
+    """The layers' modules in execution order, as `ladder_residual` steps: add what arrived, then the module."""
+    def step(branch: Callable[[torch.Tensor], torch.Tensor]) -> ModuleStep:
+        def add_then_run(r: torch.Tensor, arrived: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            r = r if arrived is None else r + arrived
+            return r, branch(r)
+        return add_then_run
+
+    for i, layer in enumerate(layers, start=start):
+        yield 2 * i, step(functools.partial(layer.attention, positions))
+        yield 2 * i + 1, step(layer.feed_forward)
 
 
 def compiled_by_vllm(vllm_config: VllmConfig) -> bool:
@@ -207,26 +223,11 @@ class LadderLlamaModel(nn.Module):
 
     def _ladder_layers(self, r: torch.Tensor, positions: torch.Tensor, layers: list[LadderDecoderLayer],
                        pending: list[Handle]) -> tuple[torch.Tensor, list[Handle]]:
-        """Standard, ladder and hybrid, as `ladder.model.transformer.Transformer._ladder_layers` (its docstring has
-        the diagram): module j reads r_{j-1} (standard) or r_{j-2} (ladder); `pending` holds the
-        all-reduces not yet added to r, oldest first; a ladder module waits for all but the newest."""
-        comm, first_ladder_module = self.comm, 2 * self.first_ladder_layer
-        n_modules = 2 * self.config.num_hidden_layers
-        first_overlapped = first_ladder_module - 1 if first_ladder_module < n_modules else n_modules
-        last_stage = get_pp_group().is_last_rank
-        y = None  # the newest module's output: the compute a wait must come after
-        for i, layer in enumerate(layers, start=self.start_layer):
-            for j, module in ((2 * i, lambda r, layer=layer: layer.attention(positions, r)),
-                              (2 * i + 1, layer.feed_forward)):
-                stale = j >= first_ladder_module
-                while len(pending) > (1 if stale else 0):
-                    r = r + pending.pop(0).wait(after=y)
-                y = module(r)  # (T, dim), this rank's partial sum
-                pending.append(comm.all_reduce_async(y) if j >= first_overlapped else Done(comm.all_reduce(y)))
-        keep = 0 if last_stage else 1  # a stage boundary hands the newest output on, unadded
-        while len(pending) > keep:
-            r = r + pending.pop(0).wait(after=y)
-        return r, pending
+        """Standard, ladder and hybrid: the ladder recurrence, the very function ladder's own model runs
+        (`ladder.model.schedule.ladder_residual`). A stage boundary hands the newest output on, unadded."""
+        return ladder_residual(r, residual_steps(layers, self.start_layer, positions), self.comm,
+                               2 * self.first_ladder_layer, 2 * self.config.num_hidden_layers, nothing=None,
+                               pending=pending, hand_on=0 if get_pp_group().is_last_rank else 1)
 
     def _parallel_layers(self, r: torch.Tensor, positions: torch.Tensor,
                          layers: list[LadderDecoderLayer]) -> torch.Tensor:
