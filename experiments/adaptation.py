@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from ladder.checkpoint.resolve import open_checkpoint
-from ladder.model.spec import with_layout
-from ladder.corpora import python_docs_text, shakespeare_text
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.engine import Engine
+from ladder.corpora import python_docs_text, shakespeare_text
 from ladder.evaluate import perplexity
+from ladder.model.spec import with_layout
+from ladder.model.weights import DictSource, build_model, export_hf_state_dict, load_weights
+from ladder.runtime.engine import Engine
 from ladder.train.loop import train
 from ladder.train.settings import TrainConfig
-from ladder.model.weights import DictSource, build_model, export_hf_state_dict, load_weights
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Who wrote Romeo and Juliet?"]
 

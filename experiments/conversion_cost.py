@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from ladder.checkpoint.resolve import open_checkpoint
-from ladder.model.spec import with_layout
-from ladder.corpora import HELD_OUT_PLAYS, python_docs_text, shakespeare_text
 from ladder.comm.base import LocalCommunicator
+from ladder.corpora import HELD_OUT_PLAYS, python_docs_text, shakespeare_text
 from ladder.evaluate import perplexity
+from ladder.model.spec import with_layout
 from ladder.model.weights import DictSource, build_model, export_hf_state_dict, load_weights
 
 LADDER_LAYERS = (0, 4, 8, 15, 22, 30)

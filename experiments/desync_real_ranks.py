@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from ladder.checkpoint.hf import open_hf
-from ladder.corpora import shakespeare_text
 from ladder.comm.base import LocalCommunicator
+from ladder.corpora import shakespeare_text
 from ladder.evaluate import perplexity
-from ladder.train.simulate import SimulatedRanks
-from ladder.train.checkpoints import checkpoint_dirs
 from ladder.model.weights import build_model, load_weights
+from ladder.train.checkpoints import checkpoint_dirs
+from ladder.train.simulate import SimulatedRanks
 
 
 def main() -> None:

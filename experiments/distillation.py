@@ -35,15 +35,15 @@ from pathlib import Path
 import torch
 
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.completions import complete
+from ladder.comm.links import get_link
 from ladder.corpora import python_docs_text, shakespeare_text
-from ladder.runtime.engine import Engine
 from ladder.evaluate import compare, perplexity
 from ladder.harness import ladder_lm, offline_tasks_dir
-from ladder.predict.costmodel import get_gpu, predict_table
-from ladder.comm.links import get_link
-from ladder.runtime.sampling import SamplingParams
 from ladder.model.spec import ModelSpec
+from ladder.predict.costmodel import get_gpu, predict_table
+from ladder.runtime.completions import complete
+from ladder.runtime.engine import Engine
+from ladder.runtime.sampling import SamplingParams
 from ladder.train.answers import ANSWERS_FILE, answer_texts
 from ladder.train.distill import ORIGINAL, load_teacher, teacher_spec
 from ladder.train.loop import train

@@ -41,15 +41,15 @@ from ladder.comm.distributed import init_distributed, shutdown_distributed
 from ladder.comm.launch import launch
 from ladder.comm.links import get_links
 from ladder.corpora import python_docs_text, shakespeare_text
-from ladder.runtime.decode_step import DecodeStep
-from ladder.runtime.engine import Engine
-from ladder.evaluate import perplexity
-from ladder.runtime.memory import estimate_memory_bytes, peak_cpu_bytes
 from ladder.cpu.linears import weight_bytes
+from ladder.evaluate import perplexity
+from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
 from ladder.predict.costmodel import get_gpu, predict_table
 from ladder.quant.quantize import check_quantize
+from ladder.runtime.engine import Engine
+from ladder.runtime.memory import estimate_memory_bytes, peak_cpu_bytes
 from ladder.runtime.sampling import SamplingParams
-from ladder.model.spec import ModelSpec
 
 OUT = Path("results/quantization")
 TEXTS = Path("runs/quantization")  # git-ignored: the held-out texts as files, for `ladder eval`'s request

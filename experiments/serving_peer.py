@@ -39,9 +39,9 @@ from ladder.bench.serve_load import StartedServer, free_port
 from ladder.checkpoint.hf import save_hf
 from ladder.checkpoint.resolve import open_checkpoint
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.engine import Engine
 from ladder.model.spec import ModelSpec
 from ladder.model.weights import export_hf_state_dict
+from ladder.runtime.engine import Engine
 
 OUT = Path("results/serve")
 FOLDER = Path("runs/peer-smollm2")  # git-ignored

@@ -15,13 +15,13 @@ import torch
 
 from ladder.bench.serve_load import descendants, free_port, wait_until_healthy  # noqa: F401 (descendants: for the tests)
 from ladder.cli.main import main
-from ladder.model.config import ModelConfig, get_preset
-from ladder.errors import LadderError
 from ladder.comm.base import Communicator, Handle, LocalCommunicator
 from ladder.comm.distributed import init_distributed, shutdown_distributed
+from ladder.errors import LadderError
+from ladder.model.config import ModelConfig, get_preset
 from ladder.model.transformer import Transformer
-from ladder.quant.quantize import quantize_shard
 from ladder.model.weights import random_model
+from ladder.quant.quantize import quantize_shard
 
 CPU = torch.device("cpu")
 

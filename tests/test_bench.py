@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-import ladder.bench.sweep as bench_sweep
 from ladder.bench import records, summary, worker
 from ladder.bench.calibrate import _standard_step_times
 from ladder.bench.records import measured_already
 from ladder.bench.spec import BenchPoint, sweep_points
+from ladder.bench.summary import failures, format_summary, layout_label, read_results, summarise
+import ladder.bench.sweep as bench_sweep
 from ladder.bench.sweep import run_sweep
-from ladder.model.config import get_preset
-from ladder.runtime.decode_step import DecodeStep
-from ladder.runtime.memory import estimate_memory_bytes
-from ladder.errors import LadderError
 from ladder.comm.emulated import EmulatedCommunicator, wait_until
 from ladder.comm.links import LinkModel, get_link
-from ladder.bench.summary import failures, format_summary, layout_label, read_results, summarise
+from ladder.errors import LadderError
+from ladder.model.config import get_preset
+from ladder.options import DecodeStep
+from ladder.runtime.memory import estimate_memory_bytes
 
 from helpers import ladder_cli, ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
@@ -732,7 +732,7 @@ def test_layouts_with_the_same_parameters_share_one_copy():
     comm, cpu = LocalCommunicator(), torch.device("cpu")
     standard = random_model(get_preset("tiny", layout="standard"), comm, cpu, seed=3)
     ladder = share_weights(get_preset("tiny", layout="ladder"), comm, standard)
-    assert ladder is not None and ladder.model.config.layout == "ladder"
+    assert ladder is not None and ladder.config.layout == "ladder"
     assert [p.data_ptr() for p in ladder.parameters()] == [p.data_ptr() for p in standard.parameters()]
     own = random_model(get_preset("tiny", layout="ladder"), comm, cpu, seed=3)
     tokens = torch.tensor([[1, 5, 9, 2, 7]])

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from ladder.cli.main import build_parser, main
-from ladder.model.config import CPU_DTYPE_VARIABLE, PRESETS, ModelConfig, default_dtype, get_preset
 from ladder.comm.distributed import communication_failure, init_distributed, shutdown_distributed
-from ladder.errors import LadderError
 from ladder.comm.launch import launch, quiet_when_the_launcher_is_gone
+from ladder.errors import LadderError
+from ladder.model.config import PRESETS, ModelConfig, default_dtype, get_preset
+from ladder.options import CPU_DTYPE
 from ladder.train.settings import TrainConfig, load_train_config
 
 from helpers import (descendants, has_loaded_torch, ladder_in_process, ladder_lines, stop_when_ready, torchrun_ladder,
@@ -58,7 +59,7 @@ def test_generate_tp2_equals_tp1_and_says_weights_are_random(capsys):
 def test_generate_runs_in_the_dtype_this_cpu_picks(capsys, monkeypatch):
     """The suite pins float32 (conftest.py); a user's CPU picks its own (bfloat16 where it computes in bf16).
     Unpinned, `ladder generate` runs in that dtype: the tokens of --dtype <that one>, asked for by name."""
-    monkeypatch.delenv(CPU_DTYPE_VARIABLE)
+    monkeypatch.delenv(CPU_DTYPE)
     args = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "12"]
     picked = ladder_in_process(capsys, *args)
     named = ladder_in_process(capsys, *args, "--dtype", default_dtype("cpu"))

@@ -8,11 +8,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import make_model, tiny
+from ladder.cpu import linears
+from ladder.errors import LadderError
 from ladder.model import config
 from ladder.model import transformer as model_module
 from ladder.model.config import PRESETS, ModelConfig, get_preset
-from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
+from ladder.options import CPU_DTYPE
+from ladder.runtime import engine as engine_module
+from ladder.runtime.engine import Engine
 
 
 def test_paper_shapes():
@@ -63,22 +68,20 @@ def test_round_trip_and_unknown_keys(tmp_path):
 
 @pytest.mark.parametrize("computes_in_bf16, expected", [(True, "bfloat16"), (False, "float32")])
 def test_the_cpu_default_dtype_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, computes_in_bf16, expected):
-    monkeypatch.delenv(config.CPU_DTYPE_VARIABLE)  # (the suite pins float32: tests/conftest.py)
+    monkeypatch.delenv(CPU_DTYPE)  # (the suite pins float32: tests/conftest.py)
     monkeypatch.setattr(config, "cpu_computes_in_bf16", lambda: computes_in_bf16)
     assert config.default_dtype("cpu") == expected
     assert config.default_dtype("cuda") == "bfloat16"
     assert ModelSpec(preset="tiny").dtype_name(torch.device("cpu")) == expected
     assert ModelSpec(preset="tiny", quantize="int8").dtype_name(torch.device("cpu")) == "bfloat16"
-    monkeypatch.setenv(config.CPU_DTYPE_VARIABLE, "bfloat16")
+    monkeypatch.setenv(CPU_DTYPE, "bfloat16")
     assert config.default_dtype("cpu") == "bfloat16"
-    monkeypatch.setenv(config.CPU_DTYPE_VARIABLE, "fp8")
+    monkeypatch.setenv(CPU_DTYPE, "fp8")
     with pytest.raises(LadderError, match="LADDER_CPU_DTYPE='fp8' is not one of float32, bfloat16, float16"):
         config.default_dtype("cpu")
 
 
-@pytest.mark.parametrize("computes_in_bf16", [True, False])
-def test_half_precision_attention_runs_upcast_on_a_cpu_without_bf16_arithmetic(monkeypatch, computes_in_bf16):
-    monkeypatch.setattr(model_module, "CPU_COMPUTES_IN_BF16", computes_in_bf16)
+def test_attention_computes_in_the_dtype_it_is_given():
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, n, 5, 16, generator=generator, dtype=torch.bfloat16) for n in (4, 2, 2))
     mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
@@ -87,7 +90,25 @@ def test_half_precision_attention_runs_upcast_on_a_cpu_without_bf16_arithmetic(m
                                                 enable_gqa=True).to(torch.bfloat16)
         native = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None, enable_gqa=True)
         assert not torch.equal(upcast, native)  # the two differ, so the test tells them apart
-        assert torch.equal(model_module.attend(q, k, v, m), native if computes_in_bf16 else upcast)
+        assert torch.equal(model_module.attend(q, k, v, m), native)
+        assert torch.equal(model_module.attend(q, k, v, m, compute_dtype=torch.float32), upcast)
+
+
+@pytest.mark.parametrize("computes_in_bf16", [True, False])
+def test_an_engine_upcasts_half_precision_only_on_a_cpu_without_bf16_arithmetic(monkeypatch, computes_in_bf16):
+    """The engine decides it once, for its own view: attention and plain linear layers in float32 on such a
+    CPU (`UpcastLinear`, where the layer is not packed), as they are elsewhere; the model it was given
+    stays as it was."""
+    monkeypatch.setattr(engine_module, "cpu_computes_in_bf16", lambda: computes_in_bf16)
+    monkeypatch.setattr(linears, "packing_works", lambda dtype: False)
+    model = make_model(tiny(layout="ladder")).to(torch.bfloat16)
+    engine = Engine(model)
+    attention = engine.model.layers[0].attention
+    assert attention.compute_dtype == (None if computes_in_bf16 else torch.float32)
+    assert isinstance(attention.wqkv, nn.Linear if computes_in_bf16 else linears.UpcastLinear)
+    assert isinstance(model.layers[0].attention.wqkv, nn.Linear) and model.layers[0].attention.compute_dtype is None
+    shared = attention.wqkv if computes_in_bf16 else attention.wqkv.layer
+    assert shared.weight is model.layers[0].attention.wqkv.weight  # the weights shared, not copied
 
 
 class MatmulDtypes(TorchDispatchMode):
@@ -103,17 +124,13 @@ class MatmulDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("computes_in_bf16", [True, False])
-def test_a_bf16_linear_shared_by_many_rows_multiplies_in_fp32_on_a_cpu_without_bf16_arithmetic(
-        monkeypatch, computes_in_bf16):
-    monkeypatch.setattr(model_module, "CPU_COMPUTES_IN_BF16", computes_in_bf16)
+def test_an_upcast_bf16_linear_multiplies_in_fp32_from_many_rows():
     layer = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
-    for rows, upcast in ((1, False), (model_module.UPCAST_MIN_ROWS, not computes_in_bf16)):
+    upcast = linears.UpcastLinear(layer)
+    for rows, in_fp32 in ((1, False), (linears.UPCAST_MIN_ROWS, True)):
         x = torch.randn(1, rows, 16, dtype=torch.bfloat16)
         with MatmulDtypes() as seen:
-            y = model_module.project(layer, x)
-        assert seen.dtypes == [torch.float32 if upcast else torch.bfloat16], rows
+            y = upcast(x)
+        assert seen.dtypes == [torch.float32 if in_fp32 else torch.bfloat16], rows
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y, layer(x))
-    packed = nn.Identity()  # a layer without `weight` (packed, say) runs as it is
-    assert model_module.project(packed, x) is x

@@ -13,9 +13,9 @@ from ladder.predict.costmodel import (GPUS, CostConstants, Workload, fitted_cons
                                       predict_tokens_per_s)
 from ladder.predict.fit import (BOUNDS, HELD_OUT_BATCHES, TRAIN_BATCHES, fit_constants, fit_error, fit_on_paper,
                                 validate, validate_unseen)
-from ladder.predict.paper import UNSEEN_SETTINGS, fit_paper_links, paper_table
-from ladder.model.config import get_preset
 from ladder.comm.links import get_link
+from ladder.model.config import get_preset
+from ladder.predict.paper import UNSEEN_SETTINGS, fit_paper_links, paper_table
 
 from helpers import ladder_in_process
 

@@ -12,12 +12,12 @@ from ladder.checkpoint.hf import save_random_hf
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.launch import launch
-from ladder.runtime.completions import complete
-from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
 from ladder.evaluate import compare, perplexity
-from ladder.runtime.sampling import SamplingParams
 from ladder.model.spec import ModelSpec
+from ladder.runtime.completions import complete
+from ladder.runtime.engine import Engine
+from ladder.runtime.sampling import SamplingParams
 from ladder.train.answers import ANSWERS_FILE, answer_texts
 from ladder.train.distill import ResidualTaps, kl_to_teacher, residual_mismatch
 from ladder.train.loop import train

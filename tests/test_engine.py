@@ -7,12 +7,12 @@ import torch
 
 from helpers import CPU, make_model, tiny
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.decode_step import DECODE_ATTENTION_VARIABLE, INDUCTOR_OPTIONS_VARIABLE, DecodeStep
-from ladder.runtime.engine import CPU_GEMM_TEMPLATES_VARIABLE, Engine
-from ladder.runtime.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.errors import LadderError
-from ladder.runtime.step_clock import StepClock
 from ladder.model.weights import random_model
+from ladder.options import CPU_GEMM_TEMPLATES, DECODE_ATTENTION, INDUCTOR_OPTIONS, DecodeStep, RuntimeOptions
+from ladder.runtime.engine import Engine
+from ladder.runtime.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
+from ladder.runtime.step_clock import StepClock
 
 PROMPT = torch.tensor([[5, 17, 42, 7], [9, 3, 200, 1]])
 
@@ -161,7 +161,7 @@ def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape(monkey
     """With the weights frozen and inductor's C++ GEMM templates, a compiled CPU step's default (the other
     tests of compiled steps leave them out: conftest.py). The weights are constants of the compiled graph,
     which inductor's cache keyed by shape: the second model must not run the first one's."""
-    monkeypatch.setenv(CPU_GEMM_TEMPLATES_VARIABLE, "1")
+    monkeypatch.setenv(CPU_GEMM_TEMPLATES, "1")
     for seed in (0, 1):
         config = tiny(layout="ladder", n_layers=2, ladder_layers=1)
         model = random_model(config, LocalCommunicator(), CPU, torch.bfloat16, seed)
@@ -191,8 +191,9 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
 @pytest.mark.parametrize("kernel, traces", [("sdpa", set()), ("products", {"decode_attention"}),
                                             ("flex", {"flex_decode_attention"})])
 def test_each_decode_attention_kernel_gives_eager_tokens(kernel, traces, monkeypatch):
-    """LADDER_DECODE_ATTENTION picks a compiled decode step's attention (on CPU "products" by default); each
-    attends to each row's own positions: the tokens of the eager step, which attends through ATen."""
+    """LADDER_DECODE_ATTENTION picks a decode step's attention (a compiled step's on CPU: "products" by
+    default); each attends to each row's own positions: the tokens of the eager step, which attends through
+    ATen. The eager step attends alike when the option says so (flex compiles only)."""
     import ladder.model.transformer as model_module
 
     model = make_model(tiny(layout="ladder", n_layers=2, ladder_layers=1))
@@ -203,16 +204,17 @@ def test_each_decode_attention_kernel_gives_eager_tokens(kernel, traces, monkeyp
             traced.add(name)
             return real(*args)
         monkeypatch.setattr(model_module, name, spy)
-    monkeypatch.setenv(DECODE_ATTENTION_VARIABLE, kernel)
-    try:
-        assert Engine(model, DecodeStep.COMPILED_LAYERS).generate(PROMPT, 6).tokens == eager
-    finally:
-        model.use_decode_attention(None)
+    monkeypatch.setenv(DECODE_ATTENTION, kernel)
+    assert Engine(model, DecodeStep.COMPILED_LAYERS).generate(PROMPT, 6).tokens == eager
     assert traced == traces
-    monkeypatch.setenv(DECODE_ATTENTION_VARIABLE, "paged")
+    if kernel != "flex":
+        traced.clear()
+        assert Engine(model, RuntimeOptions(decode_attention=kernel)).generate(PROMPT, 6).tokens == eager
+        assert traced == traces
+    monkeypatch.setenv(DECODE_ATTENTION, "paged")
     with pytest.raises(LadderError, match="unknown decode attention 'paged': pick one of sdpa, products, flex"):
         Engine(model)
-    monkeypatch.setenv(DECODE_ATTENTION_VARIABLE, "flex")
+    monkeypatch.setenv(DECODE_ATTENTION, "flex")
     with pytest.raises(LadderError, match="flex compiles on a CPU with --compile-layers, not --compile"):
         Engine(make_model(tiny(layout="ladder")), DecodeStep.COMPILED)
 
@@ -222,7 +224,7 @@ def test_inductor_options_reach_every_compiled_step_and_bad_ones_are_refused(mon
     whole compiled step; bad ones are one-line errors."""
     model = make_model(tiny(layout="ladder", n_layers=2, ladder_layers=1))
     eager = Engine(model).generate(PROMPT, 4).tokens
-    monkeypatch.setenv(INDUCTOR_OPTIONS_VARIABLE, '{"coordinate_descent_tuning": true}')
+    monkeypatch.setenv(INDUCTOR_OPTIONS, '{"coordinate_descent_tuning": true}')
     options = []
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda *a, **k: options.append(k.get("options")) or real_compile(*a, **k))
@@ -235,9 +237,30 @@ def test_inductor_options_reach_every_compiled_step_and_bad_ones_are_refused(mon
     for text, message in [("{oops", "LADDER_INDUCTOR_OPTIONS is not JSON"),
                           ("[1]", "LADDER_INDUCTOR_OPTIONS must be a JSON object"),
                           ('{"no_such_option": 1}', "LADDER_INDUCTOR_OPTIONS: inductor has no option 'no_such_option'")]:
-        monkeypatch.setenv(INDUCTOR_OPTIONS_VARIABLE, text)
+        monkeypatch.setenv(INDUCTOR_OPTIONS, text)
         with pytest.raises(LadderError, match=re.escape(message)):
             Engine(make_model(tiny(layout="ladder")), DecodeStep.COMPILED_LAYERS)
+
+
+@pytest.mark.parametrize("step", [DecodeStep.EAGER, DecodeStep.COMPILED_LAYERS, DecodeStep.COMPILED])
+def test_building_and_running_an_engine_leaves_the_model_it_was_given_as_it_was(step):
+    """An engine decides on views of the model that share its weights: the caller's model keeps its layers,
+    attention and methods (nothing compiled, packed or cached), and computes what it did."""
+    from torch import nn
+
+    model = make_model(tiny(layout="ladder", n_layers=2, ladder_layers=1))
+    with torch.inference_mode():
+        before = model(PROMPT)
+    layers = [type(m) for m in model.modules()]
+    tokens = Engine(model, step).generate(PROMPT, 4).tokens
+    assert [type(m) for m in model.modules()] == layers
+    assert all(type(layer.attention.wqkv) is nn.Linear and layer.attention.kv_cache is None
+               and layer.attention.decode_kernel == "sdpa" and not set(vars(layer)) & {"attention_step", "mlp_step"}
+               for layer in model.layers)
+    assert model.max_seq == 0 and "head" not in vars(model)
+    with torch.inference_mode():
+        assert torch.equal(model(PROMPT), before)
+    assert Engine(model).generate(PROMPT, 4).tokens == tokens
 
 
 def test_cuda_graph_decode_needs_cuda_and_excludes_compile():
@@ -258,7 +281,7 @@ def test_cuda_graph_decode_equals_eager():
     graphed = Engine(model, DecodeStep.CUDA_GRAPH)
     assert graphed.generate(prompt, 6).tokens == eager
     assert graphed.generate(prompt, 6).tokens == eager  # replayed, not captured again
-    compiled_layers = Engine(model, DecodeStep.COMPILED_LAYERS_CUDA_GRAPH)  # (the last: it compiles `model`)
+    compiled_layers = Engine(model, DecodeStep.COMPILED_LAYERS_CUDA_GRAPH)
     assert compiled_layers.generate(prompt, 6).tokens == eager
     assert compiled_layers.generate(prompt, 6).tokens == eager
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from ladder.errors import LadderError
-from ladder.comm.links import LinkModel, fit_link
 from ladder.bench.linkbench import AllReduceTiming, fit_measured_link, format_size, parse_size
+from ladder.comm.links import LinkModel, fit_link
+from ladder.errors import LadderError
 
 from helpers import ladder_cli, ladder_in_process
 

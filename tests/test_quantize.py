@@ -12,19 +12,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import INT4_RELATIVE_ERROR, INT8_RELATIVE_ERROR, cached_logits, make_model, relative_error, tiny
-from ladder.cpu import linears as packing
-from ladder.quant import quantize as quantize_module
-from ladder.runtime.decode_step import DecodeStep
-from ladder.runtime.engine import Engine
-from ladder.errors import LadderError
 from ladder.checkpoint.hf import save_random_hf
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.memory import block_linear_params, peak_cpu_bytes, weight_set_bytes
-from ladder.model.transformer import Transformer
-from ladder.cpu.linears import Int8RowLinear, weight_bytes, weights_for_step
-from ladder.quant.quantize import block_linears, check_quantize, is_quantized, quantize_shard
+from ladder.cpu import linears as packing
+from ladder.cpu.linears import Int8RowLinear, weight_bytes
+from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
+from ladder.model.transformer import Transformer
+from ladder.options import DecodeStep
+from ladder.quant import quantize as quantize_module
+from ladder.quant.quantize import block_linears, check_quantize, is_int8_per_row, is_quantized, quantize_shard
+from ladder.runtime.engine import Engine
+from ladder.runtime.memory import block_linear_params, peak_cpu_bytes, weight_set_bytes
 
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
 DECODE = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(4))
@@ -122,19 +122,20 @@ class CalledOps(TorchDispatchMode):
 
 def test_an_eager_cpu_bf16_int8_forward_runs_torchs_int8_kernel_and_casts_no_weight(monkeypatch):
     """torchao's eager int8 linear casts the whole weight to the activations' dtype each call; an eager CPU
-    step (`weights_for_step`) calls the int8 kernel that a compiled step reaches, head included; a prefill
-    dequantizes instead, in every step (a compiled step's prefill is eager). An fp32 model dequantizes
+    forward (an engine's eager view: `linear_forms`) calls the int8 kernel that a compiled step reaches, head
+    included; a prefill dequantizes instead, in every step (a compiled step's prefill runs on the eager view).
+    A compiled step's own view keeps torchao's layer, which inductor turns into that kernel. An fp32 model dequantizes
     blocks of rows (the kernel's fp32 path is not vectorized): torchao's logits, without its whole-weight copies."""
     fp32 = make_model(tiny(**QUANTIZABLE), quantize="int8")
     with torch.inference_mode():
         torchaos = fp32(PROMPT)
-    weights_for_step(fp32, DecodeStep.EAGER)
+    fp32 = Engine(fp32).model
     monkeypatch.setattr(packing, "DEQUANTIZE_ROWS", 7)  # several blocks, the last one short
     with CalledOps() as ops, torch.inference_mode():
         torch.testing.assert_close(fp32(PROMPT), torchaos, atol=1e-5, rtol=1e-5)
     assert isinstance(fp32.output, Int8RowLinear) and ops.counts[torch.ops.aten._weight_int8pack_mm.default] == 0
-    model = make_model(tiny(**QUANTIZABLE), quantize="int8").to(torch.bfloat16)
-    weights_for_step(model, DecodeStep.EAGER)
+    bf16 = make_model(tiny(**QUANTIZABLE), quantize="int8").to(torch.bfloat16)
+    model = Engine(bf16).model
     with CalledOps() as ops, torch.inference_mode():
         model(PROMPT)
     assert ops.counts[torch.ops.aten._weight_int8pack_mm.default] == 4 * model.config.n_layers + 1
@@ -146,8 +147,10 @@ def test_an_eager_cpu_bf16_int8_forward_runs_torchs_int8_kernel_and_casts_no_wei
     with torch.inference_mode():
         monkeypatch.setattr(packing, "INT8_DEQUANTIZE_MIN_ROWS", 10**9)
         assert relative_error(dequantized, model(long_prompt)) < 0.01
-    weights_for_step(model, DecodeStep.COMPILED)
-    assert isinstance(model.output, Int8RowLinear) and isinstance(model.layers[0].feed_forward.w2, Int8RowLinear)
+    compiled = Engine(bf16, DecodeStep.COMPILED)
+    assert isinstance(compiled.model.output, Int8RowLinear) and isinstance(compiled.model.layers[0].feed_forward.w2, Int8RowLinear)
+    assert not isinstance(compiled._step_model.output, Int8RowLinear) and is_int8_per_row(compiled._step_model.output.weight)
+    assert not isinstance(bf16.output, Int8RowLinear)  # the model given stays as it was
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -163,7 +166,7 @@ def test_an_eager_cpu_step_runs_int8_on_torchs_kernel_and_keeps_torchaos_int4(mo
     engine = Engine(model, DecodeStep.EAGER)
     wqkv = engine.model.layers[0].attention.wqkv
     assert isinstance(wqkv, Int8RowLinear) if mode == "int8" else is_quantized(wqkv)
-    for got, want in zip(cached_logits(model, PROMPT, DECODE), expected):
+    for got, want in zip(cached_logits(engine.model, PROMPT, DECODE), expected):
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2 if mode == "int8" else 0, rtol=0)
 
 

@@ -18,9 +18,9 @@ from ladder.bench.serve_load import LoadSpec, draw_requests, load_tokenizer, ser
 from ladder.checkpoint.hf import save_random_hf
 from ladder.comm.base import LocalCommunicator
 from ladder.model.config import get_preset
-from ladder.runtime.engine import Engine
 from ladder.model.spec import ModelSpec
 from ladder.model.weights import random_model
+from ladder.runtime.engine import Engine
 
 from helpers import Server, free_port, ladder_cli, ladder_in_process, start_two_nodes
 

@@ -13,15 +13,15 @@ from torch.profiler import profile
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import LinkModel
-from ladder.model.config import get_preset
-from ladder.runtime.decode_step import DecodeStep
-from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.errors import LadderError
+from ladder.model.config import get_preset
+from ladder.options import DecodeStep
+from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.runtime.memory import KvCachePlan, parse_memory_setting, plan_kv_cache
 from ladder.runtime.sampling import SamplingParams
+from ladder.serve import scheduler as scheduler_module
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import GenerationParams, Output, Scheduler
-from ladder.serve import scheduler as scheduler_module
 from ladder.serve.steps import StepPlan, run_plan
 
 from ladder.model.weights import random_model
@@ -166,7 +166,9 @@ def test_the_compiled_server_step_equals_eager_and_keeps_each_layouts_overlap(tm
     plan = StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2])
     expected = run_plan(eager, plan).decoded
 
-    compiled = server_engine(model, 2, 64, DecodeStep.COMPILED)  # the same cache: the prefills are there
+    compiled = server_engine(model, 2, 64, DecodeStep.COMPILED)  # a cache of its own: the same prefills
+    run_plan(compiled, StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
+    run_plan(compiled, StepPlan(prefill=[PrefillChunk(1, [4, 5], 0)]))
     compiled.warm_up()
     logits = run_plan(compiled, plan).decoded
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from ladder.bench.spec import BenchPoint
-from ladder.bench.sweep import run_sweep
-from ladder.runtime.decode_step import DecodeStep
-from ladder.comm.links import LinkModel
-from ladder.bench.summary import read_results
 from ladder.bench import paper_comparison
+from ladder.bench.spec import BenchPoint
+from ladder.bench.summary import read_results
+from ladder.bench.sweep import run_sweep
 from ladder.bench.trace import SYNC_MARKER, link_overlap, read_trace
+from ladder.comm.links import LinkModel
+from ladder.options import DecodeStep
 
 from helpers import in_flight_at_each_wait
 

@@ -9,8 +9,8 @@ import socket
 import pytest
 import torch
 
-from ladder.errors import LadderError
 from ladder.comm.launch import launch
+from ladder.errors import LadderError
 from ladder.train.checkpoints import checkpoint_dirs
 from ladder.train.loop import train
 from ladder.train.settings import TrainConfig, load_train_config

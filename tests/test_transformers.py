@@ -13,11 +13,11 @@ from ladder.checkpoint.hf import save_hf
 from ladder.checkpoint.hf_config import REMOTE_CODE_FILES
 from ladder.checkpoint.tokenizer import CHAT_TEMPLATE_FILE, TextTokenizer
 from ladder.comm.base import LocalCommunicator
-from ladder.model.config import get_preset
-from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
+from ladder.model.config import get_preset
 from ladder.model.spec import ModelSpec
 from ladder.model.weights import export_hf_state_dict, random_model
+from ladder.runtime.engine import Engine
 
 from helpers import ladder_in_process
 

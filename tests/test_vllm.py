@@ -20,9 +20,9 @@ from ladder.checkpoint.hf import save_hf, save_random_hf
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.model.config import get_preset
-from ladder.runtime.engine import Engine
 from ladder.model.spec import ModelSpec
 from ladder.model.weights import export_hf_state_dict
+from ladder.runtime.engine import Engine
 
 from helpers import in_flight_at_each_wait
 from vllm_runner import KV_CACHE_BYTES

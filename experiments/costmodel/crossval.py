@@ -8,8 +8,8 @@ Run: .venv/bin/python experiments/costmodel/crossval.py"""
 
 from dataclasses import asdict
 
-from ladder.model.config import get_preset
 from ladder.comm.links import fit_link
+from ladder.model.config import get_preset
 from ladder.predict.costmodel import GPUS, CostConstants, Workload, predicted_speedup
 from ladder.predict.fit import fit_constants
 from ladder.predict.paper import P2P_LINKS, paper_measurements, paper_table, paper_throughputs

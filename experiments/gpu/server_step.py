@@ -20,11 +20,11 @@ import torch
 
 from ladder.bench.records import append_jsonl, environment
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.decode_step import DecodeStep
-from ladder.runtime.engine import Engine
-from ladder.serve.steps import StepPlan, run_plan
 from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
+from ladder.runtime.engine import Engine
 from ladder.runtime.step_clock import synchronize
+from ladder.serve.steps import StepPlan, run_plan
 
 STEPS = {"cuda-graph": DecodeStep.CUDA_GRAPH, "compiled-layers-cuda-graph": DecodeStep.COMPILED_LAYERS_CUDA_GRAPH,
          "eager": DecodeStep.EAGER}

@@ -11,7 +11,6 @@ Usage: python experiments/gpu/transformers_peer.py --preset llama-3-8b --batch-s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path

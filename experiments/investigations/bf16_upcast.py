@@ -1,4 +1,4 @@
-"""What multiplying bf16 linear layers in fp32 buys on a CPU without bf16 arithmetic (`ladder.model.transformer.project`):
+"""What multiplying bf16 linear layers in fp32 buys on a CPU without bf16 arithmetic (`ladder.cpu.linears.UpcastLinear`):
 SmolLM2's eager engine (random weights) in bf16 with the upcast off and on, and in fp32 (packed weights),
 a prefill of B prompts of 64 tokens and a decode step at batch B, medians of a few calls.
 
@@ -9,11 +9,12 @@ import argparse
 
 import torch
 
-import ladder.model.transformer as model_module
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.decode_step import DecodeStep
-from ladder.runtime.engine import Engine
+import ladder.cpu.linears as linears
+from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
+from ladder.runtime.engine import Engine
 from timing import median_ms  # (this folder: first on sys.path when a script runs)
 
 NEVER = 10**9  # an UPCAST_MIN_ROWS that no step reaches: the upcast off
@@ -33,19 +34,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,16")
     args = parser.parse_args()
-    print(f"CPU computes in bf16: {model_module.CPU_COMPUTES_IN_BF16}; upcast from {model_module.UPCAST_MIN_ROWS} rows")
+    print(f"CPU computes in bf16: {cpu_computes_in_bf16()}; upcast from {linears.UPCAST_MIN_ROWS} rows")
     device = torch.device("cpu")
     models = {dtype: ModelSpec(preset="smollm2-135m", device="cpu", dtype=dtype).load(
         LocalCommunicator(), device, exact=False).model for dtype in ("bfloat16", "float32")}
-    upcast_from = model_module.UPCAST_MIN_ROWS
+    upcast_from = linears.UPCAST_MIN_ROWS
     for batch in map(int, args.batches.split(",")):
         for label, dtype, min_rows in (("bf16, upcast off", "bfloat16", NEVER),
                                        ("bf16, upcast always", "bfloat16", 1),
                                        ("fp32", "float32", upcast_from)):
-            model_module.UPCAST_MIN_ROWS = min_rows
+            linears.UPCAST_MIN_ROWS = min_rows
             prefill, decode = prefill_and_decode_ms(models[dtype], batch)
             print(f"batch {batch:2d}  {label:19s} prefill {prefill:7.0f} ms  decode step {decode:6.1f} ms", flush=True)
-        model_module.UPCAST_MIN_ROWS = upcast_from
+        linears.UPCAST_MIN_ROWS = upcast_from
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def one(layers: int, mode: str) -> dict[str, float]:
     import torch
 
     from ladder.model.config import get_preset
-    from ladder.runtime.decode_step import DecodeStep
+    from ladder.options import DecodeStep
     from ladder.runtime.engine import Engine
     from ladder.comm.emulated import EmulatedCommunicator
     from ladder.comm.links import get_link

@@ -18,12 +18,12 @@ import statistics
 
 import torch
 
-from ladder.model.config import get_preset
-from ladder.runtime.decode_step import DecodeStep
-from ladder.runtime.engine import Engine
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import LinkModel
+from ladder.model.config import get_preset
 from ladder.model.weights import random_model
+from ladder.options import DecodeStep
+from ladder.runtime.engine import Engine
 
 LINK = LinkModel("custom", latency_us=300.0, bandwidth_gbps=10.0)
 MODES = {"eager": {}, "compiled": {"compile": True}, "layers": {"compile_layers": True}}

@@ -2,11 +2,11 @@
 64 prompt tokens and 64 new ones over a cache of 256, compiled, each variant compiled in this one process
 and then timed in turns (this machine's speed drifts over minutes). The variants put back, one at a time,
 what the step did before:
-- "all guards": dynamo checks every guard on the model each step (`ladder.runtime.engine.guards_off_the_model`
+- "all guards": dynamo checks every guard on the model each step (`ladder.runtime.compile.guards_off_the_model`
   drops them);
 - "rope computed": cos and sin computed from the positions in the graph (`Transformer.cached_rope` reads
   them from tables);
-- "ATen attention": the decode attention through ATen's flash kernel (`Transformer.use_decode_attention("sdpa")`),
+- "ATen attention": the decode attention through ATen's flash kernel (`RuntimeOptions.decode_attention="sdpa"`),
   not `ladder.model.transformer.decode_attention`.
 
     PYTHONPATH=src .venv/bin/python experiments/investigations/cpu_decode_step.py [--quantize int8] [--dtype bfloat16]
@@ -14,6 +14,7 @@ what the step did before:
 """
 
 import argparse
+import dataclasses
 import contextlib
 import statistics
 import time
@@ -21,13 +22,13 @@ from collections.abc import Iterator
 
 import torch
 
-import ladder.runtime.engine as engine_module
-import ladder.model.transformer as model_module
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.decode_step import DecodeStep
+from ladder.model.spec import ModelSpec
+import ladder.model.transformer as model_module
+from ladder.options import DecodeStep, RuntimeOptions
+import ladder.runtime.compile as compile_module
 from ladder.runtime.engine import Engine
 from ladder.runtime.sampling import SamplingParams
-from ladder.model.spec import ModelSpec
 
 VARIANTS = {  # name: what it puts back
     "all guards, rope computed, ATen attention (before)": ("guards", "rope", "attention"),
@@ -42,15 +43,15 @@ VARIANTS = {  # name: what it puts back
 @contextlib.contextmanager
 def put_back(changes: tuple[str, ...]) -> Iterator[None]:
     """The step as it was before the named changes, while tracing (the compiled graph keeps it)."""
-    saved = (engine_module.guards_off_the_model, model_module.Transformer.cached_rope)
+    saved = (compile_module.guards_off_the_model, model_module.Transformer.cached_rope)
     if "guards" in changes:
-        engine_module.guards_off_the_model = lambda guards: [True] * len(guards)
+        compile_module.guards_off_the_model = lambda guards: [True] * len(guards)
     if "rope" in changes:
         model_module.Transformer.cached_rope = model_module.Transformer.rope
     try:
         yield
     finally:
-        engine_module.guards_off_the_model, model_module.Transformer.cached_rope = saved
+        compile_module.guards_off_the_model, model_module.Transformer.cached_rope = saved
 
 
 def main() -> None:
@@ -66,8 +67,9 @@ def main() -> None:
         spec = ModelSpec(model="smollm2-135m-instruct", dtype=args.dtype, quantize=args.quantize or None, device="cpu")
         with put_back(changes):
             model = spec.load(LocalCommunicator(), torch.device("cpu")).model
-            model.use_decode_attention("sdpa" if "attention" in changes else None)
-            engines[name] = Engine(model, DecodeStep.COMPILED)
+            options = RuntimeOptions.from_environment(DecodeStep.COMPILED)
+            attention = "sdpa" if "attention" in changes else options.decode_attention
+            engines[name] = Engine(model, dataclasses.replace(options, decode_attention=attention))
             tokens[name] = engines[name].generate(prompt, 16, greedy, max_seq=256).tokens  # compiles
         steps[name] = []
     for _ in range(args.rounds):

@@ -12,11 +12,11 @@ import functools
 
 import torch
 
-import ladder.cpu.linears as packing
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.decode_step import DecodeStep
-from ladder.runtime.engine import Engine
+import ladder.cpu.linears as packing
 from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
+from ladder.runtime.engine import Engine
 from timing import median_ms  # (this folder: first on sys.path when a script runs)
 
 NEVER = 10**9
@@ -39,8 +39,8 @@ def main() -> None:
         engine.reserve(batch, args.prompt_len + 64)
         prompts = torch.randint(0, 1000, (batch, args.prompt_len))
         for label, (int8_rows, min_rows) in paths.items():
-            # torchao's layers, or `Int8RowLinear` as an eager step swaps them in
-            packing.convert_linears(model, functools.partial(packing.layer_for_step, pack=False, int8_rows=int8_rows))
+            # torchao's layers, or `Int8RowLinear` as an eager engine's view has them
+            packing.convert_linears(engine.model, functools.partial(torchaos_or_int8_rows, int8_rows=int8_rows))
             packing.INT8_DEQUANTIZE_MIN_ROWS = min_rows
             prefill = median_ms(lambda: engine.prefill_prompts(prompts), 3)
             decode = median_ms(lambda: engine.decode([1] * batch, [args.prompt_len] * batch), 15)

@@ -21,9 +21,9 @@ from ladder.bench.worker import generate_in_turns
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import LinkModel
 from ladder.model.config import get_preset
+from ladder.model.weights import random_model, share_weights
 from ladder.runtime.engine import Engine
 from ladder.runtime.sampling import SamplingParams
-from ladder.model.weights import random_model, share_weights
 
 
 def busy_loop() -> None:

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from ladder.model.config import get_preset
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
+from ladder.model.config import get_preset
 from ladder.model.weights import build_model, init_local_shard
 
 

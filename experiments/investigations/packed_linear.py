@@ -10,11 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.decode_step import DecodeStep
-from ladder.cpu.linears import PackedLinear, weights_for_step
+from ladder.cpu.linears import PackedLinear, convert_linears
+from ladder.model.spec import ModelSpec
 from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.serve.steps import StepPlan, run_plan
-from ladder.model.spec import ModelSpec
 
 
 def per_call_ms(fn, repeats: int = 10) -> float:
@@ -43,7 +42,7 @@ def main() -> None:
     step = lambda: run_plan(engine, StepPlan(decode_tokens=[5] * 8, decode_positions=[100] * 8))  # noqa: E731
     for label in ("packed", "plain"):
         print(f"server decode step, batch 8, {label}: {per_call_ms(step, 20):.1f} ms")
-        weights_for_step(model, DecodeStep.COMPILED)  # unpacked: what a compiled step gets
+        convert_linears(engine.model, lambda layer: layer.unpacked() if isinstance(layer, PackedLinear) else layer)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ import torch
 
 from ladder.bench.serve_load import StartedServer, free_port
 from ladder.comm.base import LocalCommunicator
-from ladder.runtime.engine import Engine
 from ladder.model.spec import ModelSpec
+from ladder.runtime.engine import Engine
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = list(range(1000, 1064))

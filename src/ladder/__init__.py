@@ -14,8 +14,8 @@ if _os.environ.get("LADDER_LAUNCHED_WORKER") == "1":
     # function handles Ctrl-C, as training does, sets that up itself: ladder.comm.launch._worker.)
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
 
-from ladder.model.config import LAYOUTS, PRESETS, ModelConfig, get_preset
 from ladder.errors import LadderError
+from ladder.model.config import LAYOUTS, PRESETS, ModelConfig, get_preset
 
 __all__ = ["LAYOUTS", "PRESETS", "LadderError", "ModelConfig", "get_preset"]
 __version__ = "0.1.0"

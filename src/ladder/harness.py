@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ladder.checkpoint.tokenizer import TextTokenizer
-from ladder.runtime.completions import complete
-from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
 from ladder.model.transformer import Transformer
+from ladder.runtime.completions import complete
+from ladder.runtime.engine import Engine
 from ladder.runtime.sampling import SamplingParams
 
 DEFAULT_MAX_GEN_TOKS = 256  # as lm-eval's hf model

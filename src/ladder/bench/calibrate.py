@@ -18,8 +18,8 @@ from ladder.bench.worker import build_models
 from ladder.comm.distributed import pick_device
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.launch import launch, under_torchrun
-from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
+from ladder.runtime.engine import Engine
 
 _NO_DURATION = 1e-9  # a link scale whose waits are nothing, and whose modelled time / it is the undilated time
 
@@ -93,8 +93,7 @@ def _standard_step_times(point: BenchPoint, steps: int) -> tuple[float, float]:
     device = pick_device(point.device)
     comm = EmulatedCommunicator(point.link, point.tp, device, _NO_DURATION)
     point = dataclasses.replace(point, layout="standard", ladder_layers=None)
-    [model] = build_models([point], [comm], device)
-    engine = Engine(model, point.decode_step)
+    engine = Engine(build_models([point], [comm], device)[0], point.decode_step)
     engine.reserve(point.batch_size, point.prompt_len + point.gen_len)
     token = torch.zeros(point.batch_size, dtype=torch.long, device=device)
     times = []

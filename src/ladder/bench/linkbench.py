@@ -22,8 +22,8 @@ import torch.distributed as dist
 from ladder.comm.distributed import from_every_rank, init_distributed, shutdown_distributed
 from ladder.comm.launch import launch
 from ladder.comm.links import LinkModel, fit_link
-from ladder.runtime.step_clock import synchronize
 from ladder.errors import LadderError
+from ladder.runtime.step_clock import synchronize
 
 # Ladder's own messages span these: a decode step's all-reduce of a 70B model is batch x 16 KiB, a
 # 1024-token prefill's 16 MiB a sequence.

@@ -19,17 +19,13 @@ import torch
 from ladder import __version__
 from ladder.bench.spec import BenchPoint
 from ladder.bench.summary import read_bench_records
-from ladder.model.config import CPU_DTYPE_VARIABLE
-from ladder.runtime.decode_step import DECODE_ATTENTION_VARIABLE, INDUCTOR_OPTIONS_VARIABLE, DecodeStep
-from ladder.runtime.engine import CPU_GEMM_TEMPLATES_VARIABLE
 from ladder.errors import LadderError, check_creatable
 from ladder.files import append_line
+from ladder.options import MEASURED, DecodeStep, environment_value
 
 SCHEMA_VERSION = 1
 
 
-MEASURED_SETTINGS = (CPU_DTYPE_VARIABLE, CPU_GEMM_TEMPLATES_VARIABLE, DECODE_ATTENTION_VARIABLE, INDUCTOR_OPTIONS_VARIABLE)
-"""The environment variables that change what a step computes or how: a record keeps those that are set."""
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -45,7 +41,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "settings": {name: os.environ[name] for name in MEASURED_SETTINGS if name in os.environ},
+        "settings": {name: value for name in MEASURED if (value := environment_value(name)) is not None},
     }
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda

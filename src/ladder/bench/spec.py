@@ -15,11 +15,11 @@ import torch
 from ladder.comm.distributed import pick_device
 from ladder.comm.launch import check_launchable, under_torchrun
 from ladder.comm.links import LinkModel
-from ladder.model.config import ModelConfig, layout_variants
-from ladder.runtime.decode_step import DecodeStep
 from ladder.errors import LadderError
-from ladder.quant.quantize import check_quantize
+from ladder.model.config import ModelConfig, layout_variants
 from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
+from ladder.quant.quantize import check_quantize
 
 INTERLEAVE_MODES = ("runs", "steps")
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ladder.runtime.decode_step import DecodeStep
 from ladder.errors import LadderError
+from ladder.options import DecodeStep
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:

@@ -25,15 +25,15 @@ from ladder.bench.trace import link_overlap, profile_generation
 from ladder.comm.distributed import from_every_rank, init_distributed, pick_device, shutdown_distributed
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.launch import under_torchrun
-from ladder.model.config import DTYPE_BYTES
-from ladder.runtime.engine import Engine, GenerationResult
-from ladder.errors import LadderError
-from ladder.runtime.memory import MEMORY_USABLE, available_memory_bytes, estimate_memory_bytes, fits_in, kv_cache_bytes
-from ladder.model.transformer import Transformer
 from ladder.cpu.linears import weight_bytes
+from ladder.errors import LadderError
+from ladder.model.config import DTYPE_BYTES
+from ladder.model.transformer import Transformer
+from ladder.model.weights import share_weights
+from ladder.runtime.engine import Engine, GenerationResult
+from ladder.runtime.memory import MEMORY_USABLE, available_memory_bytes, estimate_memory_bytes, fits_in, kv_cache_bytes
 from ladder.runtime.sampling import SamplingParams
 from ladder.runtime.step_clock import StepClock, synchronize
-from ladder.model.weights import share_weights
 
 
 def check_fits(group: Sequence[BenchPoint], device: torch.device) -> None:
@@ -67,8 +67,8 @@ def bench_on_rank(group: Sequence[BenchPoint], interleave: str = "runs") -> list
     try:
         check_fits(group, device)
         dtype = first.model_spec().dtype_name(device)
-        models = build_models(group, comms, device)
-        engines = [Engine(model, first.decode_step) for model in models]
+        engines = [Engine(model, first.decode_step) for model in build_models(group, comms, device)]
+        models = [engine.model for engine in engines]  # the engines' views: the weights they packed replace the models'
         gen = torch.Generator().manual_seed(first.seed)
         prompt = torch.randint(0, models[0].config.vocab_size, (1, first.prompt_len), generator=gen)
         prompt = prompt.repeat(first.batch_size, 1)  # one synthetic prompt repeated over the batch

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladder.checkpoint.tokenizer import TextTokenizer
-from ladder.model.config import ModelConfig
 from ladder.errors import LadderError
+from ladder.model.config import ModelConfig
 from ladder.model.weights import TensorSource, hf_names
 
 

@@ -18,8 +18,8 @@ import torch
 
 from ladder.checkpoint.base import Checkpoint, check_shapes
 from ladder.checkpoint.tokenizer import TextTokenizer
-from ladder.model.config import ModelConfig, RopeScaling
 from ladder.errors import LadderError
+from ladder.model.config import ModelConfig, RopeScaling
 from ladder.model.weights import ALL, Slice
 
 

@@ -20,9 +20,9 @@ from ladder.checkpoint.base import Checkpoint, check_shapes
 from ladder.checkpoint.hf_config import REMOTE_CODE_FILES, config_to_hf, model_card, read_hf_config
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
-from ladder.model.config import ModelConfig
 from ladder.errors import LadderError, check_creatable
 from ladder.files import check_room, writing
+from ladder.model.config import ModelConfig
 from ladder.model.weights import ALL, Slice, export_hf_state_dict, random_model
 
 class SafetensorsSource:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ladder import __version__
-from ladder.model.config import ModelConfig, RopeScaling
 from ladder.errors import LadderError
+from ladder.model.config import ModelConfig, RopeScaling
 
 LLAMA = ("llama", "LlamaForCausalLM")
 LADDER = ("ladder_llama", "LadderLlamaForCausalLM")

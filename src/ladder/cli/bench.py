@@ -20,8 +20,8 @@ from ladder.bench.sweep import run_sweep
 from ladder.cli.common import DTYPE_CHOICES, add_quantize_option, decode_step, exit_status, parse_hybrids, parse_list, stop_message
 from ladder.comm.distributed import is_rank0, pick_device, print_rank0, say
 from ladder.comm.links import LinkModel, get_links
-from ladder.model.config import DEFAULT_DTYPE_HELP, default_dtype
 from ladder.errors import LadderError, Stopped
+from ladder.model.config import DEFAULT_DTYPE_HELP, default_dtype
 
 # The default `ladder bench`: a few minutes on a 2-core CPU, into a git-ignored scratch file.
 BENCH_DEFAULTS = {"preset": "llama-160m", "layouts": "standard,parallel,ladder,upper-bound", "tp": "2",

@@ -6,11 +6,11 @@ import argparse
 import signal
 
 from ladder.comm.distributed import is_rank0, say
-from ladder.model.config import DEFAULT_DTYPE_HELP, DESYNC_PATTERNS, DTYPE_BYTES, LAYOUTS, PRESETS
-from ladder.runtime.decode_step import DecodeStep
 from ladder.errors import LadderError, Stopped
-from ladder.quant.quantize import QUANTIZE_MODES
+from ladder.model.config import DEFAULT_DTYPE_HELP, DESYNC_PATTERNS, DTYPE_BYTES, LAYOUTS, PRESETS
 from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
+from ladder.quant.quantize import QUANTIZE_MODES
 
 DTYPE_CHOICES = list(DTYPE_BYTES)
 

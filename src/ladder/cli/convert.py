@@ -10,8 +10,8 @@ from ladder.checkpoint.hf import check_replaceable, save_hf
 from ladder.cli.common import info
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.distributed import pick_device
-from ladder.model.config import DESYNC_PATTERNS, LAYOUTS
 from ladder.files import check_room
+from ladder.model.config import DESYNC_PATTERNS, LAYOUTS
 from ladder.model.spec import ModelSpec
 from ladder.model.weights import export_hf_state_dict
 

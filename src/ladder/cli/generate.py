@@ -12,13 +12,13 @@ from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.cli.common import add_model_options, decode_step, info, model_spec, parse_ids
 from ladder.comm.distributed import check_ranks_agree, init_distributed, print_rank0, shutdown_distributed
 from ladder.comm.launch import launch
-from ladder.runtime.decode_step import DecodeStep
+from ladder.errors import LadderError
+from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
 from ladder.runtime.detokenizer import IncrementalDetokenizer
 from ladder.runtime.engine import Engine
-from ladder.errors import LadderError
 from ladder.runtime.limits import check_context, check_token_ids
 from ladder.runtime.sampling import SamplingParams
-from ladder.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
         if loaded.random_weights:
             info("ladder: weights are RANDOM: the generated ids are not meaningful text")
         engine = Engine(loaded.model, req.decode_step)
+        loaded.model = engine.model  # the engine's view: the weights it packed replace the model's
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.model.seed)
         text_mode = req.prompt_ids is None
         stop_ids = tuple(req.stop_ids) + (tuple(tokenizer.stop_ids) if text_mode and tokenizer else ())

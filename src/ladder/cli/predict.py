@@ -11,13 +11,13 @@ from ladder.bench.summary import batch_column_width, layout_label
 from ladder.checkpoint.resolve import read_shape
 from ladder.cli.common import add_quantize_option, parse_hybrids, parse_list
 from ladder.comm.links import get_links
-from ladder.model.config import PRESETS
 from ladder.errors import LadderError
-from ladder.runtime.memory import MEMORY_USABLE
+from ladder.model.config import PRESETS
 from ladder.predict.costmodel import GPUS, get_gpu, predict_table
 from ladder.predict.fit import score, stored_accuracy, validate, validate_unseen
 from ladder.predict.paper import UNSEEN_SETTINGS
 from ladder.quant.quantize import bytes_per_weight, quantizes_head
+from ladder.runtime.memory import MEMORY_USABLE
 
 
 def cmd_predict(args: argparse.Namespace) -> int:

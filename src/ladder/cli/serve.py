@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +12,11 @@ from ladder.cli.common import add_model_options, decode_step, model_spec
 from ladder.comm.launch import launch
 from ladder.comm.links import link_presets
 from ladder.errors import LadderError, Stopped
+from ladder.options import API_KEY, environment_value
 from ladder.runtime.limits import check_max_model_len
 from ladder.runtime.memory import parse_memory_setting
 from ladder.serve.worker import ServeSettings, serve_on_rank
 
-API_KEY_VARIABLE = "LADDER_API_KEY"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -38,7 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
     settings = ServeSettings(spec, name, args.host, args.port, args.max_batch, args.max_model_len, args.max_waiting,
                              args.max_num_batched_tokens, args.shutdown_timeout, args.interconnect, args.link_scale, step,
-                             api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                             api_key=args.api_key or environment_value(API_KEY) or None,
                              kv_cache_memory=args.kv_cache_memory)
     emulated = args.interconnect is not None
     try:
@@ -56,7 +55,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--host", default=ServeSettings.host)
     g.add_argument("--port", type=int, default=ServeSettings.port)
     g.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open; "
-                   f"default: ${API_KEY_VARIABLE}, else none)")
+                   f"default: ${API_KEY}, else none)")
     g.add_argument("--served-model-name", help="the model's name in the API (default: the folder, file or preset name)")
     g.add_argument("--max-batch", type=int, default=ServeSettings.max_batch, help="requests decoded together (KV-cache rows)")
     g.add_argument("--max-model-len", type=int,

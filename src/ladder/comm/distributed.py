@@ -18,9 +18,7 @@ import torch.distributed as dist
 
 from ladder.comm.base import Communicator, Handle, LocalCommunicator
 from ladder.errors import LadderError
-
-DEFAULT_TIMEOUT_S = float(os.environ.get("LADDER_DIST_TIMEOUT", "300"))
-
+from ladder.options import dist_timeout_s
 
 # The functional collectives as their raw ops, on tensors and a group's name. funcol's eager wrappers
 # (funcol.all_reduce returns an AsyncCollectiveTensor) keep the process group alive past
@@ -108,12 +106,14 @@ def pick_device(requested: str | None, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+def init_distributed(device: str | None = None, timeout_s: float | None = None) -> DistContext:
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 
     Works for one process (no group is created) and for multi-node runs: rank and world size are the
-    global ones. The group has a timeout, so a rank that dies makes the others fail instead of hang.
+    global ones. The group has a timeout (default: LADDER_DIST_TIMEOUT's), so a rank that dies makes the
+    others fail instead of hang.
     """
+    timeout_s = dist_timeout_s() if timeout_s is None else timeout_s
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

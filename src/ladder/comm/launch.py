@@ -32,11 +32,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ladder.errors import LadderError, Stopped
+from ladder.options import LAUNCHED_WORKER, environment_value
 
 T = TypeVar("T")
 # Set for the processes `launch` starts, the fork server included: Ctrl-C ends them silently while
 # they import (read in ladder/__init__.py); each worker then sets its own handling (`_worker`).
-WORKER_ENV = "LADDER_LAUNCHED_WORKER"
+WORKER_ENV = LAUNCHED_WORKER
 # What a fork server imports once for all its workers: the heavy part of every worker's start-up.
 # (torch._dynamo: functional collectives and custom ops import it at their first call, 2.5 s on a small CPU.)
 FORK_SERVER_PRELOAD = ["ladder", "torch", "torch.distributed", "torch._dynamo", "ladder.comm.launch",
@@ -58,7 +59,7 @@ def quiet_when_the_launcher_is_gone(kind: type[BaseException], value: BaseExcept
         sys.__excepthook__(kind, value, tb)
 
 
-if os.environ.get(WORKER_ENV) == "1":  # (the fork server imports this module before it forks a worker)
+if environment_value(WORKER_ENV) == "1":  # (the fork server imports this module before it forks a worker)
     sys.excepthook = quiet_when_the_launcher_is_gone
 
 

@@ -1,5 +1,6 @@
-"""Linear layers in the layout an eager CPU step reads fastest: plain weights packed once into oneDNN's
-blocked layout, int8 weights on torch's int8 kernel.
+"""Linear layers in the forms a CPU computes fastest: plain weights packed once into oneDNN's blocked
+layout, int8 weights on torch's int8 kernel, half-precision weights upcast where the CPU has no bf16
+arithmetic. An engine puts the layers of its own views of a model in these forms (`linear_forms`).
 
 `F.linear` on CPU calls MKL's sgemm, which re-reads the weight in its stored layout every call; oneDNN
 reorders it once into the layout its kernels stream (vLLM's CPU backend does the same). A decode step
@@ -7,13 +8,18 @@ reads every weight once and computes little, so this is most of its time: SmolLM
 batch 8 took 83 ms with `F.linear` and 36 ms packed on a 2-core AVX2 EPYC (batch 1: 39 and 23 ms;
 batch 64: 199 and 136 ms; experiments/investigations/packed_linear.py). Packed weights serve inference only: no gradients, no state_dict, and
 a tied output head gets its own packed copy (the embedding keeps the original). A compiled step needs
-plain weights (inductor lays them out itself): `weights_for_step` packs or unpacks a model, in place.
+plain weights (inductor lays them out itself).
 
 torchao's eager int8 linear casts the whole weight to the activations' dtype every call (the head's
 49152 x 576 included, a transient as large as an unquantized head); `Int8RowLinear` calls torch's int8
 kernel instead, the one a compiled step reaches through inductor's pattern, for bf16 and fp16 activations;
 with fp32 ones that kernel is not vectorized (8.5x slower than bf16 here: 2 GB/s), and the weight is
-dequantized a block of rows at a time instead. int4 keeps torchao's layer.
+dequantized a block of rows at a time instead. int4 keeps torchao's layer, and so does a compiled step,
+where inductor's pattern turns torchao's int8 layer into that kernel.
+
+PyTorch has no bf16 matrix kernel for AVX2, so on such a CPU each row of a bf16 linear is one more pass
+over the weight, while an upcast weight is read once more than the half one: `UpcastLinear` multiplies
+in float32 from UPCAST_MIN_ROWS rows.
 """
 
 from __future__ import annotations
@@ -25,14 +31,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladder.runtime.decode_step import DecodeStep
-from ladder.model.transformer import HALF_PRECISION, Attention, FeedForward, Transformer, cpu_compute_dtype
+from ladder.model.transformer import HALF_PRECISION, Attention, FeedForward, Transformer
 from ladder.quant.quantize import is_int8_per_row, is_quantized, tensor_bytes
 
 # Rows from which an int8 layer is faster dequantized (then one GEMM) than on torch's int8 kernel, which
 # computes per row: measured with experiments/investigations/int8_eager.py.
 INT8_DEQUANTIZE_MIN_ROWS = 64
 DEQUANTIZE_ROWS = 4096  # output rows dequantized at a time: 9.4 MB of float32 for SmolLM2's 576 columns
+# Rows from which a half-precision linear layer multiplies faster in float32 on a CPU without bf16
+# arithmetic: SmolLM2's bf16 decode step on a 2-core AVX2 EPYC took 73 ms at batch 4 with bf16 linears and
+# 81-93 upcast (the upcast reads and writes every weight again), 135 and 102-111 at batch 8; its 8 x
+# 64-token prefill 5.6 s and 0.82 s (experiments/investigations/bf16_upcast.py).
+UPCAST_MIN_ROWS = 8
 
 
 class PackedLinear(nn.Module):
@@ -54,21 +64,33 @@ class PackedLinear(nn.Module):
         return linear
 
 
-class Int8RowLinear(nn.Module):
-    """torchao's int8 weight-only layer (one scale per output row) on CPU. Eager: half-precision decode rows
-    on torch's int8 kernel; a prefill's many rows, and float32 activations (where that kernel is not
-    vectorized), on the weight dequantized `DEQUANTIZE_ROWS` output rows at a time, each block one GEMM (the
-    same products as torchao's eager layer, which dequantizes the whole weight each call: a float32 copy of
-    SmolLM2's int8 head is 113 MB, its largest transient). Compiled: torchao's layer, which inductor's
-    pattern turns into the int8 kernel. `layer` is the torchao layer it reads."""
+class UpcastLinear(nn.Module):
+    """A half-precision layer that multiplies in float32 from UPCAST_MIN_ROWS rows (a CPU without bf16
+    arithmetic: see the module's docstring); `layer` is the layer it reads."""
 
     def __init__(self, layer: nn.Linear) -> None:
         super().__init__()
         self.layer = layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return self.layer(x)
+        if x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]:
+            return F.linear(x.float(), self.layer.weight.float()).to(x.dtype)
+        return self.layer(x)
+
+
+class Int8RowLinear(nn.Module):
+    """torchao's int8 weight-only layer (one scale per output row) in an eager CPU forward: half-precision
+    decode rows on torch's int8 kernel; a prefill's many rows, and float32 activations (where that kernel is
+    not vectorized), on the weight dequantized `DEQUANTIZE_ROWS` output rows at a time, each block one GEMM
+    in `compute_dtype` (the same products as torchao's eager layer, which dequantizes the whole weight each
+    call: a float32 copy of SmolLM2's int8 head is 113 MB, its largest transient). `layer` is the torchao
+    layer it reads."""
+
+    def __init__(self, layer: nn.Linear, compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.layer, self.compute_dtype = layer, compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in HALF_PRECISION or x.numel() >= INT8_DEQUANTIZE_MIN_ROWS * x.shape[-1]:
             return self._on_dequantized_rows(x)
         weight = self.layer.weight
@@ -78,7 +100,7 @@ class Int8RowLinear(nn.Module):
 
     def _on_dequantized_rows(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.layer.weight
-        compute = cpu_compute_dtype(x.dtype)
+        compute = self.compute_dtype or x.dtype
         x_compute, scale = x.to(compute), weight.scale.reshape(-1, 1).to(compute)
         y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
         for start in range(0, weight.shape[0], DEQUANTIZE_ROWS):
@@ -100,29 +122,26 @@ def packing_works(dtype: torch.dtype) -> bool:
     return True
 
 
-def weights_for_step(model: Transformer, step: DecodeStep) -> bool:
-    """Put a CPU model's linear layers in the layouts its step reads fastest: plain ones packed for an
-    eager step (plain again for a compiled one: inductor lays them out itself), int8 ones as
-    `Int8RowLinear` in every step (a compiled step's eager prefill included). Whether the plain ones end
-    packed (never on CUDA, nor where packing does not work)."""
-    dtype = model.tok_embeddings.weight.dtype  # the activations'
-    on_cpu = model.device.type == "cpu"
-    pack = on_cpu and step is DecodeStep.EAGER and packing_works(dtype)
-    was_packed = isinstance(model.output, PackedLinear)
-    convert_linears(model, functools.partial(layer_for_step, pack=pack, int8_rows=on_cpu))
-    if was_packed and not pack:
-        model.tie_weights()
+def linear_forms(view: Transformer, pack: bool, int8_rows: bool, upcast: bool) -> bool:
+    """Put a view's linear layers (`Transformer.view`: its layers are its own) in the forms its forwards
+    compute fastest: plain ones packed (`pack`: an eager CPU step; not where packing does not work), int8
+    ones as `Int8RowLinear` (`int8_rows`: an eager CPU forward), plain half-precision ones not packed as
+    `UpcastLinear` (`upcast`: a CPU without bf16 arithmetic). Whether the plain ones end packed."""
+    dtype = view.tok_embeddings.weight.dtype  # the activations'
+    pack = pack and packing_works(dtype)
+    compute = torch.float32 if upcast and dtype in HALF_PRECISION else None
+    convert_linears(view, functools.partial(linear_form, pack=pack, int8_rows=int8_rows, compute_dtype=compute))
     return pack
 
 
-def layer_for_step(layer: nn.Module, pack: bool, int8_rows: bool) -> nn.Module:
-    if isinstance(layer, PackedLinear):
-        return layer if pack else layer.unpacked()
-    if isinstance(layer, Int8RowLinear):
-        return layer if int8_rows else layer.layer
+def linear_form(layer: nn.Module, pack: bool, int8_rows: bool, compute_dtype: torch.dtype | None) -> nn.Module:
     if int8_rows and is_int8_per_row(layer.weight):
-        return Int8RowLinear(layer)
-    return PackedLinear(layer) if pack and not is_quantized(layer) else layer  # int4: torchao's kernel
+        return Int8RowLinear(layer, compute_dtype)
+    if is_quantized(layer):
+        return layer  # int4, and int8 in a compiled step: torchao's kernels
+    if pack:
+        return PackedLinear(layer)
+    return UpcastLinear(layer) if compute_dtype is not None and layer.weight.dtype in HALF_PRECISION else layer
 
 
 def weight_bytes(model: Transformer) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from ladder.errors import LadderError
+from ladder.options import CPU_DTYPE, environment_value
 
 LAYOUTS = ("standard", "parallel", "ladder", "desync", "upper-bound")
 """Residual layouts; exact semantics in docs/layouts.md. Hybrid is `ladder` with `ladder_layers < n_layers`."""
@@ -29,11 +29,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """The dtypes ladder runs in (`--dtype`), by name, and their size."""
 
 
-CPU_DTYPE_VARIABLE = "LADDER_CPU_DTYPE"
-"""Pins the CPU's default dtype whatever the CPU computes in (the test suite pins float32)."""
-
 DEFAULT_DTYPE_HELP = ("default: bfloat16 on CUDA and on a CPU with bf16 instructions (AVX-512 BF16, AMX), else "
-                      f"float32 (${CPU_DTYPE_VARIABLE} pins the CPU's)")
+                      f"float32 (${CPU_DTYPE} pins the CPU's)")
 
 
 def default_dtype(device_type: str, quantize: str | None = None) -> str:
@@ -45,9 +42,9 @@ def default_dtype(device_type: str, quantize: str | None = None) -> str:
     10.8 in fp32; int4: 32.2 and 7.6; unquantized fp32: 24.6; docs/quantization.md)."""
     if device_type != "cpu":
         return "bfloat16" if device_type == "cuda" else "float32"
-    if pinned := os.environ.get(CPU_DTYPE_VARIABLE):
+    if pinned := environment_value(CPU_DTYPE):
         if pinned not in DTYPE_BYTES:
-            raise LadderError(f"{CPU_DTYPE_VARIABLE}={pinned!r} is not one of {', '.join(DTYPE_BYTES)}")
+            raise LadderError(f"{CPU_DTYPE}={pinned!r} is not one of {', '.join(DTYPE_BYTES)}")
         return pinned
     return "bfloat16" if cpu_computes_in_bf16() or quantize else "float32"
 

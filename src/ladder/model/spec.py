@@ -20,11 +20,11 @@ from ladder.checkpoint.resolve import open_checkpoint, resolve_model
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import Communicator
 from ladder.comm.distributed import pick_device
-from ladder.model.config import DTYPE_BYTES, ModelConfig, default_dtype, get_preset
 from ladder.errors import LadderError
+from ladder.model.config import DTYPE_BYTES, ModelConfig, default_dtype, get_preset
 from ladder.model.transformer import Transformer
-from ladder.quant.quantize import check_quantize, check_shard, quantize_layers, quantize_shard
 from ladder.model.weights import build_model, fill_random, load_weights
+from ladder.quant.quantize import check_quantize, check_shard, quantize_layers, quantize_shard
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}
 

@@ -13,26 +13,23 @@ communicator it is built with and never mutates the config.
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladder.model.config import ModelConfig, ShardShape, cpu_computes_in_bf16
 from ladder.comm.base import Communicator, LocalCommunicator
-from ladder.runtime.decode_step import inductor_options
 from ladder.errors import LadderError
+from ladder.model.config import ModelConfig, ShardShape
 from ladder.model.schedule import ladder_residual
 
-CPU_COMPUTES_IN_BF16 = cpu_computes_in_bf16()  # else half-precision attention and linears run upcast
 HALF_PRECISION = (torch.bfloat16, torch.float16)
-# Rows from which a half-precision linear layer multiplies faster in float32 on such a CPU: SmolLM2's bf16
-# decode step on a 2-core AVX2 EPYC took 73 ms at batch 4 with bf16 linears and 81-93 upcast (the upcast
-# reads and writes every weight again), 135 and 102-111 at batch 8; its 8 x 64-token prefill 5.6 s and
-# 0.82 s (experiments/investigations/bf16_upcast.py).
-UPCAST_MIN_ROWS = 8
 
 
 class RMSNorm(nn.Module):
@@ -76,47 +73,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a CPU computes `dtype` tensors in: float32 for half precision on a CPU without bf16
-    arithmetic (AVX2 emulates it, and PyTorch has no bf16 matrix kernel for it), else `dtype` itself."""
-    return torch.float32 if dtype in HALF_PRECISION and not CPU_COMPUTES_IN_BF16 else dtype
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           decode_kernel: str | None = None) -> torch.Tensor:
-    """Scaled dot-product attention (causal without a mask), in float32 where the tensors are half precision
-    on a CPU without bf16 arithmetic: AVX2 emulates bf16, and SmolLM2's decode attention ran 2.5x slower
-    in it than upcast (the KV cache stays in the model's dtype). A compiled decode step's attention runs
-    as `decode_kernel` says (`decode_attention_kernel`)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, decode_kernel: str = "sdpa",
+           compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Scaled dot-product attention (causal without a mask). One query a row with a mask (a decode step)
+    attends through `decode_kernel` (`ladder.options.DECODE_ATTENTION_KERNELS`; "products" up to
+    DECODE_ATTENTION_MAX_POSITIONS cached positions, ATen's beyond, where the two cost the same); every
+    other attention through ATen's `scaled_dot_product_attention`, in `compute_dtype` when one is given (an
+    engine gives float32 for half precision on a CPU without bf16 arithmetic: AVX2 emulates bf16, and
+    SmolLM2's decode attention ran 2.5x slower in it than upcast; the KV cache stays in the model's dtype)."""
     dtype = q.dtype
-    kernel = decode_attention_kernel(q, k, mask, decode_kernel)
-    if kernel == "products":
-        return decode_attention(q, k, v, mask).to(dtype)
-    if kernel == "flex":
-        return flex_decode_attention(q, k, v, mask)
-    if q.device.type == "cpu":
-        q, k, v = (t.to(cpu_compute_dtype(dtype)) for t in (q, k, v))
+    if q.shape[2] == 1 and mask is not None:
+        if decode_kernel == "products" and k.shape[2] <= DECODE_ATTENTION_MAX_POSITIONS:
+            return decode_attention(q, k, v, mask).to(dtype)
+        if decode_kernel == "flex":
+            return flex_decode_attention(q, k, v, mask)
+    if compute_dtype is not None:
+        q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).to(dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).to(dtype)
 
 
-# Up to this many cached positions, a compiled CPU decode step attends through `decode_attention`: 30
-# attentions of SmolLM2's shape in one graph took 1.9 ms against ATen's flash kernel's 5.7 at 256 positions,
-# 15 against 25 at 2048, and as long at 4096 (experiments/investigations/decode_attention.py).
+# Up to this many cached positions, the "products" decode attention computes as products and sums: 30
+# attentions of SmolLM2's shape in one compiled graph took 1.9 ms against ATen's flash kernel's 5.7 at 256
+# positions, 15 against 25 at 2048, and as long at 4096 (experiments/investigations/decode_attention.py).
 DECODE_ATTENTION_MAX_POSITIONS = 4096
-DECODE_ATTENTION_KERNELS = ("sdpa", "products", "flex")
-
-
-def decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, chosen: str | None) -> str:
-    """How an attention runs: "sdpa" (ATen's `scaled_dot_product_attention`) unless it is one query a row
-    (a decode step) inside a torch.compile. There, `chosen` (one of DECODE_ATTENTION_KERNELS); by default
-    "products" on a CPU up to DECODE_ATTENTION_MAX_POSITIONS, else "sdpa"."""
-    if not (q.shape[2] == 1 and mask is not None and torch.compiler.is_compiling()):
-        return "sdpa"
-    if chosen is not None:
-        return chosen
-    return "products" if q.device.type == "cpu" and k.shape[2] <= DECODE_ATTENTION_MAX_POSITIONS else "sdpa"
 
 
 def flex_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -144,18 +125,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = scores.masked_fill(~mask.view(B, 1, 1, S), float("-inf"))
     out = (scores.softmax(-1).unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2)  # (B, n_kv, H / n_kv, hd)
     return out.view(B, H, 1, hd)
-
-
-def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); a half-precision weight shared by many rows, on a CPU without bf16 arithmetic, in float32:
-    PyTorch has no bf16 matrix kernel for AVX2, so each row is one more pass over the weight, while the
-    upcast weight is read once more than the half one. Quantized and packed layers (`ladder.cpu.linears`, an
-    eager CPU step's) and every other case run the layer as it is."""
-    weight = getattr(layer, "weight", None)
-    if (type(weight) is nn.Parameter and x.device.type == "cpu" and weight.dtype in HALF_PRECISION
-            and not CPU_COMPUTES_IN_BF16 and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]):
-        return F.linear(x.float(), weight.float()).to(x.dtype)
-    return layer(x)
 
 
 class KVCache(nn.Module):
@@ -195,13 +164,15 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)  # row-parallel
         self.kv_cache: KVCache | None = None
-        self.decode_kernel: str | None = None  # a compiled decode step's attention (`decode_attention_kernel`)
+        # How it attends: set by an engine on its own view of the model (`Transformer.view`)
+        self.decode_kernel = "sdpa"
+        self.compute_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
                 mask: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
-        q, k, v = project(self.wqkv, x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
+        q, k, v = self.wqkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
         q = q.view(B, T, self.n_heads, hd).transpose(1, 2)  # (B, n_heads, T, hd)
         k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)  # (B, n_kv, T, hd)
         v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)  # (B, n_kv, T, hd)
@@ -210,9 +181,9 @@ class Attention(nn.Module):
             k, v = self.kv_cache.update(input_pos, k, v, rows, mask.shape[-1])  # (B, n_kv, S, hd)
         else:
             mask = None  # no cache: the prompt attends to itself, causally
-        y = attend(q, k, v, mask, self.decode_kernel)
+        y = attend(q, k, v, mask, self.decode_kernel, self.compute_dtype)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, n_heads * hd)
-        return project(self.wo, y)  # (B, T, dim), partial
+        return self.wo(y)  # (B, T, dim), partial
 
 
 class FeedForward(nn.Module):
@@ -225,8 +196,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(self.hidden, config.dim, bias=False)  # down, row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(self.w13, x).split(self.hidden, dim=-1)  # (B, T, hidden) each
-        return project(self.w2, F.silu(gate) * up)  # (B, T, dim), partial
+        gate, up = self.w13(x).split(self.hidden, dim=-1)  # (B, T, hidden) each
+        return self.w2(F.silu(gate) * up)  # (B, T, dim), partial
 
 
 class Block(nn.Module):
@@ -341,16 +312,29 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin[0, 0], persistent=False)
         self.max_batch, self.max_seq = max_batch, max_seq
 
-    def use_decode_attention(self, kernel: str | None) -> None:
-        """Every layer's compiled decode steps attend through `kernel` (None: the device's default;
-        `decode_attention_kernel`). Set it before the step compiles."""
-        if kernel is not None and kernel not in DECODE_ATTENTION_KERNELS:
-            raise LadderError(f"unknown decode attention {kernel!r}: pick one of {', '.join(DECODE_ATTENTION_KERNELS)}")
-        for layer in self.layers:
-            layer.attention.decode_kernel = kernel
+    def view(self) -> Transformer:
+        """A copy of this model's modules that shares its tensors (weights, buffers) and communicator: an
+        engine changes how its own view computes (its linear layers' form, its attention, compiled steps)
+        and leaves the model that its caller holds as it was."""
+        shared = {id(t): t for t in itertools.chain(self.parameters(), self.buffers())}
+        shared[id(self.comm)] = self.comm
+        return copy.deepcopy(self, shared)
 
-    def compile_layers(self) -> None:
-        """Regional compilation, in place: torch.compile each layer's steps (residual add + norm +
+    def attend_with(self, decode_kernel: str, compute_dtype: torch.dtype | None) -> None:
+        """How every layer attends (`attend`): set on a view (`view`), before its steps compile."""
+        for layer in self.layers:
+            layer.attention.decode_kernel, layer.attention.compute_dtype = decode_kernel, compute_dtype
+
+    def use_caches_of(self, other: Transformer) -> None:
+        """Read and write `other`'s KV caches and RoPE tables (another view of one model: `view`)."""
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.attention.kv_cache = theirs.attention.kv_cache
+        self.register_buffer("rope_cos", other.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", other.rope_sin, persistent=False)
+        self.max_batch, self.max_seq = other.max_batch, other.max_seq
+
+    def compile_layers(self, inductor_options: Mapping[str, Any] | None = None) -> None:
+        """Regional compilation, in place (an engine compiles its own view: `view`): torch.compile each layer's steps (residual add + norm +
         attention and residual add + norm + MLP, or parallel's pair under one norm), not the whole forward.
         Every layer runs the same code with its own weights as inputs, so all layers reuse one compiled
         graph per step and input shape: compiling 80 layers costs what compiling one does, where a
@@ -358,9 +342,8 @@ class Transformer(nn.Module):
         between steps stay eager, so every layout keeps its eager schedule: ladder's all-reduces overlap
         the next step as they do uncompiled. The final norm and head are compiled too: an int8 head runs torchao's int8
         kernel only compiled (eager, it casts the whole table to the activations' dtype every call).
-        Forwards that should not compile (a prefill's many lengths) run under
-        `torch.compiler.set_stance("force_eager")`."""
-        compile_one = functools.partial(torch.compile, fullgraph=True, dynamic=False, options=inductor_options() or None)
+        A prefill, of many lengths, runs on another view that is not compiled."""
+        compile_one = functools.partial(torch.compile, fullgraph=True, dynamic=False, options=dict(inductor_options or {}) or None)
         for layer in self.layers:
             for name in Block.STEPS:
                 step = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
@@ -419,7 +402,7 @@ class Transformer(nn.Module):
 
     def head(self, r: torch.Tensor) -> torch.Tensor:
         """The final norm and the output head: logits (B, T, vocab on this rank) of the stream r (B, T, dim)."""
-        return project(self.output, self.norm(r))
+        return self.output(self.norm(r))
 
     def _residual_modules(self, rope, input_pos, mask, rows):
         """The 2L modules h_1..h_2L in execution order, as (index, step) pairs: step(r, arrived) adds

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ladder.comm.base import Communicator
-from ladder.model.config import ModelConfig, ShardShape
 from ladder.errors import LadderError
+from ladder.model.config import ModelConfig, ShardShape
 from ladder.model.transformer import Block, RMSNorm, Transformer
 
 Slice = tuple[slice, slice]  # (rows, columns)

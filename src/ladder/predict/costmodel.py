@@ -29,10 +29,10 @@ import torch
 
 from ladder.bench.summary import hidden_fraction
 from ladder.comm.links import LinkModel
-from ladder.model.config import ModelConfig, ShardShape, check_hybrids, get_preset, layout_variants
 from ladder.errors import LadderError
-from ladder.runtime.memory import estimate_memory_bytes, fits_in, kv_cache_bytes
+from ladder.model.config import ModelConfig, ShardShape, check_hybrids, get_preset, layout_variants
 from ladder.quant.quantize import bytes_per_weight, quantizes_head
+from ladder.runtime.memory import estimate_memory_bytes, fits_in, kv_cache_bytes
 
 
 @dataclass(frozen=True)

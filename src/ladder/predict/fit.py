@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from ladder.comm.links import LinkModel, link_presets
-from ladder.model.config import get_preset
 from ladder.errors import LadderError
+from ladder.model.config import get_preset
 from ladder.predict.costmodel import (GPU, GPUS, Constants, CostConstants, LinkOf, Workload, constant_tensors,
                                       constant_values, fitted_constants, predict_seconds_of, predicted_speedup,
                                       stored_fit)

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
-from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.errors import LadderError
+from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.runtime.limits import check_context
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, row_generators, sample
 

@@ -24,22 +24,20 @@ sequence rounded up to KV_BLOCK positions, at any batch.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from ladder.comm.emulated import trace_emulated_launches
-from ladder.runtime.decode_step import DECODE_ATTENTION_VARIABLE, DecodeStep, inductor_options
+from ladder.cpu.linears import linear_forms
 from ladder.errors import LadderError
-from ladder.cpu.inductor_fix import keep_mutation_renames
+from ladder.model.config import cpu_computes_in_bf16
+from ladder.model.transformer import HALF_PRECISION, Transformer
+from ladder.options import DecodeStep, RuntimeOptions
+from ladder.runtime.compile import compile_step
+from ladder.runtime.cuda_graph import CudaGraphStep
 from ladder.runtime.limits import check_context, check_token_ids
-from ladder.model.transformer import Transformer
-from ladder.cpu.linears import weights_for_step
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, row_generators, sample
 from ladder.runtime.step_clock import Lap, StepClock, to_device
 
@@ -75,31 +73,47 @@ class GenerationResult:
 
 
 class Engine:
-    """Runs a `Transformer`'s forwards for generation, its decode step run as `step` says (`DecodeStep`):
+    """Runs a `Transformer`'s forwards for generation, its decode step run as `options.step` says
+    (`DecodeStep`):
     - eager;
     - compiled: the whole step one graph (with CUDA graphs on CUDA: mode="reduce-overhead"); compiling
       takes longer the more layers the model has;
     - compiled layers: each layer's branches compiled, one graph shared by every layer
-      (`Transformer.compile_layers`, in place), the step between them eager; the prefill stays eager;
+      (`Transformer.compile_layers`), the step between them eager;
     - CUDA graph: the step, eager or with compiled layers, captured as one CUDA graph (`CudaGraphStep`).
+    Everything it decides (the linear layers' forms, the attention, what compiles) is decided here, once,
+    from `options` (`RuntimeOptions`; a `DecodeStep` alone: that step with the environment's settings), on views of
+    the model that share its weights (`Transformer.view`): `model` itself is left as it was. The prefill
+    runs on an eager view (`self.model`), a compiled step on a view of its own that reads the same caches.
+    A view's packed layers are copies: drop `model` once the engine is built, and only they remain.
     The module's docstring says how forwards use the cache, and which shapes a step runs at.
     """
 
-    def __init__(self, model: Transformer, step: DecodeStep = DecodeStep.EAGER) -> None:
-        self.model = model.eval()
+    def __init__(self, model: Transformer, options: RuntimeOptions | DecodeStep = DecodeStep.EAGER) -> None:
+        options = options if isinstance(options, RuntimeOptions) else RuntimeOptions.from_environment(options)
+        self.options, self.step = options, options.step
         self.device = model.device
-        self.step = step
+        step = options.step
         if step.captures_cuda_graph and self.device.type != "cuda":
             raise LadderError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
-        weights_for_step(model, step)  # oneDNN's packed layout for an eager step on CPU
-        if kernel := os.environ.get(DECODE_ATTENTION_VARIABLE):
-            check_decode_attention(kernel, step, self.device)
-            model.use_decode_attention(kernel)
-        self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, model)
+        on_cpu = self.device.type == "cpu"
+        # Half precision on a CPU without bf16 arithmetic (AVX2 emulates it) computes in float32
+        upcast = on_cpu and model.tok_embeddings.weight.dtype in HALF_PRECISION and not cpu_computes_in_bf16()
+        compute_dtype = torch.float32 if upcast else None
+        self.model = model.view().eval()  # the prefill's, and an eager step's
+        linear_forms(self.model, pack=on_cpu and step is DecodeStep.EAGER, int8_rows=on_cpu, upcast=upcast)
+        self.model.attend_with("sdpa" if step.compiles_step or step.compiles_layers else options.decode_attention_on(
+            self.device.type), compute_dtype)
+        self._step_model = self.model
+        if step.compiles_step or step.compiles_layers:
+            self._step_model = model.view().eval()  # plain weights (inductor lays them out itself), torchao's int8
+            linear_forms(self._step_model, pack=False, int8_rows=False, upcast=upcast)
+            self._step_model.attend_with(options.decode_attention_on(self.device.type), compute_dtype)
+        self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, self._step_model)
         if step.compiles_step:
-            self._forward = compile_step(self._forward, self.device)
+            self._forward = compile_step(self._forward, self.device, options)
         if step.compiles_layers:
-            model.compile_layers()
+            self._step_model.compile_layers(options.inductor_options)
         self.max_batch = self.max_seq = 0
         self.batch_sizes: list[int] = []
         self.kv_lens: list[int] = []
@@ -109,6 +123,8 @@ class Engine:
         """A KV cache of (at least) `max_batch` rows of `max_seq` positions, and the shapes a compiled or
         graphed decode step runs at: the batch and the whole cache, or powers of two up to them (`padded`)."""
         self.model.setup_caches(max_batch, max_seq)
+        if self._step_model is not self.model:
+            self._step_model.use_caches_of(self.model)
         self.max_batch, self.max_seq = max_batch, max_seq
         self.batch_sizes = powers_of_two_up_to(1, max_batch) if padded else [max_batch]
         self.kv_lens = powers_of_two_up_to(min(KV_BLOCK, max_seq), max_seq) if padded else [max_seq]
@@ -181,16 +197,15 @@ class Engine:
 
     def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, rows: slice, longest: int,
                  every_position: bool = False) -> torch.Tensor:
-        with eager_if(self.step.compiles_layers):  # a compiled branch per prompt length otherwise
-            logits = self.model(tokens, positions, last_only=not every_position, rows=rows,
-                                kv_len=kv_blocks(longest, self.max_seq))
+        logits = self.model(tokens, positions, last_only=not every_position, rows=rows,
+                            kv_len=kv_blocks(longest, self.max_seq))
         return logits if every_position else logits[:, -1]
 
     def _step_at(self, batch: int, kv_len: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The decode step at one shape, made on first use (a CUDA graph captures at its first call)."""
         if (batch, kv_len) not in self._steps:
             at_shape = functools.partial(self._forward, kv_len=kv_len)
-            self._steps[batch, kv_len] = CudaGraphStep(at_shape, self.model) if self.step.captures_cuda_graph else at_shape
+            self._steps[batch, kv_len] = CudaGraphStep(at_shape, self._step_model) if self.step.captures_cuda_graph else at_shape
         return self._steps[batch, kv_len]
 
     @torch.inference_mode()
@@ -242,115 +257,12 @@ def powers_of_two_up_to(least: int, most: int) -> list[int]:
     return [n for n in sizes if n < most] + [most]
 
 
-# A compiled CPU step freezes the weights (constants of the graph) so that inductor can pick its C++ GEMM
-# templates: weights repacked once into blocks, the int8 dequantization and scale fused into the GEMM.
-# SmolLM2 at batch 1 on an AVX2 CPU (docs/quantization.md): int8 bf16 twice as fast as torch's
-# `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. The compile takes longer (each GEMM
-# shape's template and ATen kernel are built and timed): LADDER_CPU_GEMM_TEMPLATES=0 keeps inductor's defaults.
-# (inductor reads `freezing` outside a compile's options: `_with_frozen_weights` sets it.)
-CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-CPU_GEMM_TEMPLATES_VARIABLE = "LADDER_CPU_GEMM_TEMPLATES"
-
-
-def check_decode_attention(kernel: str, step: DecodeStep, device: torch.device) -> None:
-    """Refuses the one pairing that cannot compile: inductor's CPU FlexAttention takes its mask only from the
-    graph's inputs, and a whole compiled step computes the mask inside."""
-    if kernel == "flex" and step.compiles_step and device.type == "cpu":
-        raise LadderError(f"{DECODE_ATTENTION_VARIABLE}=flex compiles on a CPU with --compile-layers, not --compile")
-
-
-def compile_step(step: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
-    """`step` as one torch.compile graph (collectives, real or emulated, trace into it), as in the paper,
-    with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each all-reduce
-    launch down to its wait, and the overlap with it. Each wait is a custom op that writes its result:
-    `keep_mutation_renames` keeps inductor's CPU fusion from reading that result before the wait."""
-    templates = device.type == "cpu" and cpu_gemm_templates()
-    options = {"triton.cudagraphs": device.type == "cuda", "reorder_for_locality": False,
-               **(CPU_GEMM_TEMPLATES if templates else {}), **inductor_options()}
-    trace_emulated_launches()
-    keep_mutation_renames()
-    # Entries of its own (torch.compile shares them among every compile of one function), so that the
-    # guards on the model can go: they would be checked each step, and this engine's model never changes.
-    compiled = torch.compile(step, fullgraph=True, options={**options, "guard_filter_fn": guards_off_the_model},
-                             isolate_recompiles=True)
-    return _with_frozen_weights(compiled) if templates else compiled
-
-
-def cpu_gemm_templates() -> bool:
-    """Whether a compiled CPU step freezes its weights for inductor's C++ GEMM templates."""
-    return os.environ.get(CPU_GEMM_TEMPLATES_VARIABLE, "1") != "0"
-
-
-def guards_off_the_model(guards: list[Any]) -> list[bool]:
-    """Which of a compiled step's guards to keep: all but those on the model, whose weights, modules and
-    settings stay as they are for an engine's life (its compiled step is its own: `isolate_recompiles`),
-    except its buffers' shapes (`setup_caches` makes new KV caches). Checking SmolLM2's 6,000 guards
-    took 1.8 ms of a 16 ms int8 step on this CPU."""
-    return [not guard.orig_guard.source.is_unspecialized_nn_module()
-            or (guard.guard_type == "TENSOR_MATCH" and "._buffers[" in guard.name) for guard in guards]
-
-
-def _with_frozen_weights(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`compiled`, compiling (at its first call, and at each recompile) with the weights frozen: an engine
-    serves fixed weights, and the prefill, eager, reads the model's own. Not through inductor's on-disk
-    graph cache, so each compile starts cold (SmolLM2 int8: ~140 s; bf16 ~35 s from the cache): it keys
-    frozen weights by their shapes, and a hit gave a second model of one shape the first one's weights
-    (tests/test_engine.py). With a digest of the weights in its key (tried), each entry still wrote the
-    weights the graph packed to disk, once for every shape a step is made at (SmolLM2: 137 MB int8, 271 MB
-    bf16 an entry)."""
-    import torch._inductor.config as inductor_config
-
-    @functools.wraps(compiled)
-    def step(*args: Any, **kwargs: Any) -> torch.Tensor:
-        with inductor_config.patch(freezing=True, fx_graph_cache=False):
-            return compiled(*args, **kwargs)
-    return step
-
-
-class CudaGraphStep:
-    """The decode step (eager, or with compiled layers) captured once as a CUDA graph, then replayed: one
-    launch a step instead of one per kernel. Eager, a 70B shard's 80 layers are ready after one step,
-    where compiling the whole step takes minutes per layout. Captured again when the batch or the KV
-    cache changes."""
-
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: Transformer) -> None:
-        self.step, self.model = step, model
-        self.key: tuple | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None
-
-    def __call__(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        key = (tuple(token.shape), tuple(input_pos.shape), self.model.max_batch, self.model.max_seq,
-               id(self.model.layers[0].attention.kv_cache))
-        if key != self.key:
-            self._capture(token, input_pos)
-            self.key = key
-        self.token.copy_(token)
-        self.input_pos.copy_(input_pos)
-        self.graph.replay()
-        return self.logits  # overwritten by the next replay: sample from it first
-
-    def _capture(self, token: torch.Tensor, input_pos: torch.Tensor) -> None:
-        self.graph = None  # the previous graph's memory goes back first
-        self.token, self.input_pos = token.clone(), input_pos.clone()
-        # One step outside the capture makes cuBLAS's handles and workspaces. It writes this position's
-        # keys and values, the same ones the replay below writes.
-        side = torch.cuda.Stream(token.device)
-        side.wait_stream(torch.cuda.current_stream(token.device))
-        with torch.cuda.stream(side):
-            self.step(self.token, self.input_pos)
-        torch.cuda.current_stream(token.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self.step(self.token, self.input_pos)
-        self.graph = graph
-
-
 class Generation:
     """One generation, advanced one step at a time: the prefill, then one decode step per new token.
 
     `Engine.generate` steps one to the end. A benchmark can step several, one per model, in turns,
     so that a machine whose speed drifts slows them alike; they share one `StepClock`, so that each
-    times its own steps. Two generations of one model cannot take turns: they would share its KV cache.
+    times its own steps. Two generations of one engine cannot take turns: they would share its KV cache.
     A step does not wait for the device (unless a stop id or `on_token` needs the tokens on the host):
     on a GPU the next step is queued while this one runs, and the times are read at the end.
     """
@@ -397,11 +309,6 @@ class Generation:
         seconds = [lap.seconds() for lap in self.laps]
         return GenerationResult(_trim(torch.stack(self.out, dim=1), self.stop_ids), seconds[0], sum(seconds[1:]),
                                 seconds[1:])
-
-
-def eager_if(condition: bool) -> contextlib.AbstractContextManager:
-    """Compiled code runs eagerly inside, when `condition` holds."""
-    return torch.compiler.set_stance("force_eager") if condition else contextlib.nullcontext()
 
 
 def _trim(tokens: torch.Tensor, stop_ids: Sequence[int]) -> list[list[int]]:

@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.distributed import communication_failure
+from ladder.errors import LadderError
 from ladder.runtime.detokenizer import IncrementalDetokenizer
 from ladder.runtime.engine import Engine, PrefillChunk
-from ladder.errors import LadderError
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, sample
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.steps import StepLogits, StepPlan, run_plan, share_plan

@@ -29,16 +29,16 @@ from ladder.comm.distributed import (DistContext, check_ranks_agree, from_every_
                                      say, shutdown_distributed)
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
-from ladder.runtime.decode_step import DecodeStep
-from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
+from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
+from ladder.runtime.engine import Engine
 from ladder.runtime.limits import check_max_model_len
 from ladder.runtime.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
 from ladder.serve.api import ServerState, create_app
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import Scheduler
 from ladder.serve.steps import run_plan, share_plan
-from ladder.model.spec import ModelSpec
 
 
 ABORTED_STREAMS_END_S = 5  # after the drain: for aborted streams to send their last event
@@ -96,6 +96,7 @@ def _load_engine(settings: ServeSettings, ctx: DistContext | None) -> tuple[Engi
     say(f"ladder: {plan.describe()}")
     loaded = settings.model.load(comm, device, exact=ctx is not None or settings.model.model is not None)
     engine = Engine(loaded.model, settings.decode_step)
+    loaded.model = engine.model  # the engine's view: the weights it packed replace the model's
     engine.reserve(plan.rows, plan.max_model_len, padded=True)
     return engine, loaded
 

@@ -19,12 +19,12 @@ import torch
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.distributed import from_every_rank, say
-from ladder.runtime.completions import complete
-from ladder.runtime.engine import Engine
 from ladder.errors import LadderError
 from ladder.files import write_text
-from ladder.runtime.sampling import SamplingParams
 from ladder.model.spec import ModelSpec
+from ladder.runtime.completions import complete
+from ladder.runtime.engine import Engine
+from ladder.runtime.sampling import SamplingParams
 from ladder.train.prompts import read_prompts
 
 ANSWERS_PREFIX = "answers:"
@@ -56,10 +56,10 @@ def answer_texts(source: str, writer: ModelSpec, writer_digest: str, tokenizer: 
     if rank == 0:
         say(f"ladder: writing the teacher's answers to {len(prompts)} prompts ({source}), up to {max_new_tokens} "
             f"tokens each, into {path}")
-    model = writer.load(LocalCommunicator(), device).model  # a copy of its own: an engine prepares the model it runs
-    answers = complete(Engine(model), ids[begin:end], max_new_tokens, SamplingParams(temperature, seed=seed),
+    engine = Engine(writer.load(LocalCommunicator(), device).model)  # (its weights freed with the engine)
+    answers = complete(engine, ids[begin:end], max_new_tokens, SamplingParams(temperature, seed=seed),
                        tokenizer.stop_ids, BATCH, first_index=begin, progress=progress and rank == 0)
-    del model
+    del engine
     mine = [text + tokenizer.decode(answer, skip_special=False) for text, answer in zip(rendered[begin:end], answers)]
     texts = [text for share in from_every_rank(mine) for text in share]  # type: ignore[union-attr]
     if rank == 0:

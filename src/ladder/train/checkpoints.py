@@ -21,9 +21,9 @@ from ladder.checkpoint.hf import open_hf, write_hf_files
 from ladder.comm.distributed import from_every_rank, say
 from ladder.errors import LadderError
 from ladder.files import check_room, folder_bytes, safetensors_damage, writing
+from ladder.model.weights import export_hf_state_dict, load_weights
 from ladder.train.lora import ADAPTERS_FILE, has_lora, load_adapters, merged, save_adapters
 from ladder.train.settings import TrainConfig
-from ladder.model.weights import export_hf_state_dict, load_weights
 
 
 def _rng_state() -> dict[str, Any]:

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.errors import LadderError
-from ladder.model.transformer import Transformer
 from ladder.model.spec import LoadedModel, ModelSpec
+from ladder.model.transformer import Transformer
 
 ORIGINAL = "original"
 

@@ -36,9 +36,9 @@ from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint
                                      shutdown_distributed)
 from ladder.errors import LadderError, Stopped
 from ladder.files import append_line
+from ladder.model.spec import ModelSpec
 from ladder.model.transformer import Transformer
 from ladder.quant.quantize import quantize_shard
-from ladder.model.spec import ModelSpec
 from ladder.train.checkpoints import (check_out_dir_is_shared, checkpoint_dirs, load_latest_checkpoint,
                                       resume_optimizer, save_checkpoint)
 from ladder.train.answers import answer_texts, is_answers
