@@ -253,6 +253,9 @@ def test_compiled_decode_at_tp2_equals_eager():
     eager, compiled = run(*args), run(*args, "--compile", timeout=300)
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-2000:]
     assert generated(eager.stdout) == generated(compiled.stdout)
+    # what was picked, in one line; the compile on a line of its own, before the first token
+    assert "float32 activations (LADDER_CPU_DTYPE); eager decode step (--compile decodes faster" in eager.stderr
+    assert "compiling the compiled decode step" in compiled.stderr and "ladder: compiled in " in compiled.stderr
 
 
 # What the torchrun tests run at TP 2, and compare with the same command at TP 1 in this process.

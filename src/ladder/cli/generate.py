@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +18,7 @@ from ladder.comm.distributed import check_ranks_agree, init_distributed, print_r
 from ladder.comm.launch import launch
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
-from ladder.options import DecodeStep
+from ladder.options import CPU_DTYPE, DecodeStep, environment_value
 from ladder.runtime.detokenizer import IncrementalDetokenizer
 from ladder.runtime.engine import Engine
 from ladder.runtime.limits import check_context, check_token_ids
@@ -51,6 +55,52 @@ def _prompt_tensor(req: GenerateRequest, tokenizer: TextTokenizer | None, vocab:
     return torch.tensor([ids], dtype=torch.long)
 
 
+def settings_line(spec: ModelSpec, step: DecodeStep, device: torch.device) -> str:
+    """What runs, as picked: the activation dtype (with --quantize, the one its kernels are fast in) and
+    the decode step, and the faster step that exists where an eager one was asked for."""
+    dtype = spec.dtype_name(device)
+    if spec.dtype:
+        why = ""
+    elif device.type == "cpu" and environment_value(CPU_DTYPE):
+        why = f" ({CPU_DTYPE})"
+    elif device.type == "cpu" and spec.quantize:
+        why = f", the fastest with {spec.quantize} weights on this CPU"
+    else:
+        why = ", the default here"
+    line = f"{dtype} activations{why}; {step.value} decode step"
+    if step is DecodeStep.EAGER:
+        line += " (--compile decodes faster, after a one-time compile)"
+    return line
+
+
+def compile_before_generating(engine: Engine, batch: int, max_seq: int) -> None:
+    """Compile (or capture) the decode step at the generation's shape before the first token, saying so, so
+    that the decode rate counts decode steps only and the compile has a line of its own."""
+    engine.reserve(batch, max_seq)
+    info(f"ladder: compiling the {engine.step.value} decode step (minutes on a CPU the first time)...")
+    with ticking("ladder: still compiling"):
+        start = time.perf_counter()
+        engine.warm_up()
+    info(f"ladder: compiled in {time.perf_counter() - start:.1f} s")
+
+
+@contextlib.contextmanager
+def ticking(message: str, every_s: float = 15.0) -> Iterator[None]:
+    """`message` with the seconds so far, every `every_s` seconds, while the block runs (rank 0, stderr)."""
+    done, start = threading.Event(), time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            info(f"{message}, {time.perf_counter() - start:.0f} s")
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
     """One rank's share of `ladder generate` (runs in each worker process)."""
     ctx = init_distributed(req.model.device)
@@ -64,6 +114,9 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
             info("ladder: weights are RANDOM: the generated ids are not meaningful text")
         engine = Engine(loaded.model, req.decode_step)
         loaded.model = engine.model  # the engine's view: the weights it packed replace the model's
+        info(f"ladder: {settings_line(req.model, req.decode_step, ctx.device)}")
+        if req.decode_step is not DecodeStep.EAGER:
+            compile_before_generating(engine, prompt.shape[0], prompt.shape[1] + req.max_new_tokens)
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.model.seed)
         text_mode = req.prompt_ids is None
         stop_ids = tuple(req.stop_ids) + (tuple(tokenizer.stop_ids) if text_mode and tokenizer else ())
