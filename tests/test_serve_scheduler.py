@@ -211,3 +211,30 @@ def test_kv_cache_memory_is_a_fraction_or_a_size(text, value):
 def test_a_kv_cache_memory_that_is_neither_is_refused(text):
     with pytest.raises(LadderError, match="give a fraction of the free memory"):
         parse_memory_setting(text)
+
+
+def test_a_handler_submits_while_the_engine_thread_detokenizes_and_finishes_are_typed():
+    """Text, stop strings and outputs are made outside the lock that `submit` takes: an output callback
+    that waits for a submit from another thread (as a handler's would) does not deadlock the server."""
+    model = make_model(tiny(layout="ladder"))
+    engine = server_engine(model, 2, 64)
+    scheduler = Scheduler(engine, None, ServerMetrics("tiny"), 8, 8)
+    submitted, finished = threading.Event(), threading.Semaphore(0)
+    reasons = []
+
+    def on_output(out: Output) -> None:
+        if not submitted.is_set():  # the first output: a handler submits meanwhile
+            handler = threading.Thread(target=lambda: scheduler.submit([4, 5], greedy(2), on_output) and submitted.set())
+            handler.start()
+            assert submitted.wait(timeout=10), "submit waited for the engine thread's output"
+        if out.finish_reason is not None:
+            reasons.append(out.finish_reason)
+            finished.release()
+
+    scheduler.submit([1, 2, 3], greedy(3), on_output)
+    thread = threading.Thread(target=scheduler.run)
+    thread.start()
+    assert finished.acquire(timeout=30) and finished.acquire(timeout=30)
+    scheduler.shutdown()
+    thread.join(timeout=10)
+    assert reasons == [scheduler_module.FinishReason.LENGTH] * 2 and reasons[0] == "length"

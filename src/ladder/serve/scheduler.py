@@ -4,13 +4,17 @@ The scheduler only plans. Requests join the batch at step boundaries and leave i
 own position with its own sampling parameters and stop conditions. A step has a token budget
 (`max_num_batched_tokens`, vLLM's name): one token of every running request, then prompt chunks of the
 requests being prefilled, oldest first, as many as the budget holds. So a burst of arrivals prefills
-together, and a long prompt delays the running requests by one budget's forward at most. Every row of
-a step is sampled in one call (`ladder.runtime.sampling`), and its text comes from each request's incremental
-detokenizer. A finished, cancelled or disconnected request gives its KV-cache row back at once
+together, and a long prompt delays the running requests by one budget's forward at most. A step ends
+with its sampling: every row in one call (`ladder.runtime.sampling`), giving a typed `StepOutput`; then
+the scheduler advances each request (its text from its incremental detokenizer, its stop strings, its
+`FinishReason`). A finished, cancelled or disconnected request gives its KV-cache row back at once
 (the running rows first: `ladder.serve.steps`).
 
 The HTTP side (`ladder.serve.api`) calls `submit` and `cancel` from its thread; `run` is the engine
-thread's loop. Outputs go back through each request's `emit` callback, called on the engine thread.
+thread's loop. The lock guards only what both threads touch (the waiting queue, the flags): the batch
+is the engine thread's alone, so sampling, detokenizing and stop strings run outside it, and a handler
+never waits for them to submit. Outputs go back through each request's `emit` callback, called on the
+engine thread.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -58,6 +63,13 @@ class GenerationParams:
     prompt_logprobs: bool = False  # the same for every prompt token (OpenAI's echo with logprobs)
 
 
+class FinishReason(str, Enum):
+    """Why a request ended, as OpenAI's API spells it."""
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens, or the context is full
+    ABORT = "abort"  # cancelled, disconnected, or the server stopped or failed
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A token's log-probability (natural log, of the model's distribution before any sampling setting)
@@ -71,7 +83,7 @@ class TokenLogprob:
 class Output:
     """New output of one request, in order. `text` is what is new since the previous Output."""
     text: str
-    finish_reason: str | None  # None while running; "stop", "length" or "abort"
+    finish_reason: FinishReason | None  # None while running
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
@@ -101,6 +113,21 @@ class Sequence:
     def cached(self) -> int:
         """Positions written in this request's KV-cache row (the newest token is not yet)."""
         return self.prefilled + max(len(self.generated) - 1, 0)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    sequence: Sequence
+    token: int
+    logprob: TokenLogprob | None  # when the request asks for log-probabilities
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step gives the scheduler: the prompt tokens each prefill chunk wrote (in the plan's order), and
+    the new token of every row that samples one (the running rows, then the prompts completed this step)."""
+    prefilled: list[int]
+    sampled: list[SampledToken]
 
 
 class Scheduler:
@@ -163,10 +190,9 @@ class Scheduler:
             while (plan := self._next_plan()) is not None:
                 plan = share_plan(plan, self.group, self.world_size)
                 logits = run_plan(self.engine, plan)
-                if logits.every_position is not None:  # (outside the lock: a forward's worth of logits)
+                if logits.every_position is not None:
                     self._score_prompts(plan, logits.every_position)
-                with self._lock:
-                    self._advance(plan, logits)
+                self._advance(self._sample(plan, logits))
             share_plan(StepPlan(stop=True), self.group, self.world_size)
         except Exception as exc:  # noqa: BLE001 (every failure ends serving; its message goes to each client)
             said = communication_failure(exc) or (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
@@ -221,37 +247,48 @@ class Scheduler:
             if chunk.every_position:
                 s.prompt_logprobs += prompt_logprobs(logits, chunk, s.prompt, s.params.logprobs or 0)
 
-    def _advance(self, plan: StepPlan, step: StepLogits) -> None:
-        now = time.perf_counter()
-        decoded, prefilled = step.decoded, step.prefilled
+    def _sample(self, plan: StepPlan, step: StepLogits) -> StepOutput:
+        """The step's sampling: a token for each running row and each prompt this step completes (the
+        first chunks: `_plan`), all rows in one call, and the log-probabilities asked for."""
         rows = self.running[:len(plan.decode_tokens)]
-        logits = [decoded] if decoded is not None else []
-        complete = 0  # the chunks that end their prompt: the first ones (see `_plan`)
-        for chunk, s in zip(plan.prefill, self.prefilling):
-            s.prefilled += len(chunk.tokens)
-            if s.prefilled == len(s.prompt):
-                complete += 1
-                self.metrics.time_to_first_token.observe(now - s.arrival)
-        if complete:
-            assert prefilled is not None and all(s.prefilled == len(s.prompt) for s in self.prefilling[:complete])
-            joined, self.prefilling = self.prefilling[:complete], self.prefilling[complete:]
-            self.running += joined  # their rows follow the running ones already
-            rows, logits = [*rows, *joined], [*logits, prefilled[:complete]]
-        for s in rows:
-            if s.params.max_tokens == 0:  # the prompt's log-probabilities are all it asked for
-                self._finish(s, "length")
-        sampled = [i for i, s in enumerate(rows) if not s.finished]
-        if sampled:
+        logits = [step.decoded] if step.decoded is not None else []
+        completing = [s for chunk, s in zip(plan.prefill, self.prefilling)
+                      if s.prefilled + len(chunk.tokens) == len(s.prompt)]
+        if completing:
+            assert step.prefilled is not None
+            rows, logits = [*rows, *completing], [*logits, step.prefilled[:len(completing)]]
+        wanted = [i for i, s in enumerate(rows) if s.params.max_tokens > 0]  # 0: the prompt scored, no token
+        sampled: list[SampledToken] = []
+        if wanted:
             step_logits = torch.cat(logits)
-            step_logits = step_logits if len(sampled) == len(rows) else step_logits[sampled]
-            rows = [rows[i] for i in sampled]
+            step_logits = step_logits if len(wanted) == len(rows) else step_logits[wanted]
+            rows = [rows[i] for i in wanted]
             batch = SamplingBatch.of([s.params.sampling for s in rows], [s.generator for s in rows],
                                      step_logits.shape[-1], step_logits.device)
             tokens = sample(step_logits, batch).tolist()  # the step's one transfer to the host
-            for s, token, row_logits in zip(rows, tokens, step_logits):
-                if s.params.logprobs is not None:
-                    s.new_logprobs.append(token_logprob(row_logits, token, s.params.logprobs))
-                self._accept(s, token, now)
+            sampled = [SampledToken(s, token, None if s.params.logprobs is None
+                                    else token_logprob(row_logits, token, s.params.logprobs))
+                       for s, token, row_logits in zip(rows, tokens, step_logits)]
+        return StepOutput([len(chunk.tokens) for chunk in plan.prefill], sampled)
+
+    def _advance(self, out: StepOutput) -> None:
+        """Each request after a step: prompts written (those complete join the running rows), new tokens
+        accepted, and the rows of the requests that finished freed."""
+        now = time.perf_counter()
+        complete = 0  # the chunks that end their prompt: the first ones (see `_plan`)
+        for written, s in zip(out.prefilled, self.prefilling):
+            s.prefilled += written
+            if s.prefilled == len(s.prompt):
+                complete += 1
+                self.metrics.time_to_first_token.observe(now - s.arrival)
+                if s.params.max_tokens == 0:  # the prompt's log-probabilities are all it asked for
+                    self._finish(s, FinishReason.LENGTH)
+        joined, self.prefilling = self.prefilling[:complete], self.prefilling[complete:]
+        self.running += joined  # their rows follow the running ones already
+        for new in out.sampled:
+            if new.logprob is not None:
+                new.sequence.new_logprobs.append(new.logprob)
+            self._accept(new.sequence, new.token, now)
         self._release([s for s in self.running if s.finished])
 
     def _accept(self, s: Sequence, token: int, now: float) -> None:
@@ -264,23 +301,23 @@ class Scheduler:
         self.metrics.generation_tokens.inc()
         stops = s.params.stop_token_ids | (frozenset() if s.params.ignore_eos else self.eos_ids)
         if token in stops:
-            self._finish(s, "stop", s.detokenizer.flush())
+            self._finish(s, FinishReason.STOP, s.detokenizer.flush())
             return
         text = s.detokenizer.push(token)
         if s.detokenizer.stopped:
-            self._finish(s, "stop", text)
+            self._finish(s, FinishReason.STOP, text)
         elif len(s.generated) >= s.params.max_tokens or s.cached + 1 >= self.engine.max_seq:
-            self._finish(s, "length", text + s.detokenizer.flush())
+            self._finish(s, FinishReason.LENGTH, text + s.detokenizer.flush())
         elif text:
             s.emit(Output(text, None, len(s.prompt), len(s.generated), logprobs=s.new_logprobs))
             s.new_logprobs = []
 
-    def _finish(self, s: Sequence, reason: str, text: str = "") -> None:
+    def _finish(self, s: Sequence, reason: FinishReason, text: str = "") -> None:
         s.finished = True
         prompt = s.prompt_logprobs if s.params.prompt_logprobs else None
         s.emit(Output(text, reason, len(s.prompt), len(s.generated), logprobs=s.new_logprobs, prompt_logprobs=prompt))
         s.new_logprobs = []
-        self.metrics.finished(reason, len(s.prompt), time.perf_counter() - s.arrival)
+        self.metrics.finished(reason.value, len(s.prompt), time.perf_counter() - s.arrival)
 
     def _release(self, leaving: list[Sequence]) -> None:
         """Free the rows of requests that left: the last running row moves into each running one's place,
@@ -301,10 +338,10 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for s in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(s)
-            self._finish(s, "abort")
+            self._finish(s, FinishReason.ABORT)
         leaving = [s for s in [*self.running, *self.prefilling] if s.cancelled and not s.finished]
         for s in leaving:
-            self._finish(s, "abort")
+            self._finish(s, FinishReason.ABORT)
         self._release(leaving)
 
     def _live(self) -> list[Sequence]:
@@ -313,7 +350,7 @@ class Scheduler:
     def _abort_all(self) -> None:
         for s in self._live():
             if not s.finished:
-                self._finish(s, "abort")
+                self._finish(s, FinishReason.ABORT)
         self.waiting.clear()
         self.running.clear()
         self.prefilling.clear()
@@ -324,7 +361,7 @@ class Scheduler:
             for s in self._live():
                 if not s.finished:
                     s.finished = True
-                    s.emit(Output("", "abort", len(s.prompt), len(s.generated), error=message))
+                    s.emit(Output("", FinishReason.ABORT, len(s.prompt), len(s.generated), error=message))
 
 
 
