@@ -71,3 +71,10 @@ def test_no_import_cycles():
                 reachable[start].add(module)
                 stack.extend(graph[module])
     assert not sorted(name for name in graph if name in reachable[name])
+
+
+def test_experiments_readme_indexes_every_script():
+    experiments = PACKAGE.parent.parent / "experiments"
+    index = (experiments / "README.md").read_text()
+    scripts = [p.relative_to(experiments).as_posix() for p in experiments.rglob("*") if p.suffix in (".py", ".sh")]
+    assert [s for s in scripts if f"`{s}`" not in index] == []
