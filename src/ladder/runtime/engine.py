@@ -147,14 +147,17 @@ class Engine:
         return sum(t.numel() * t.element_size() for c in caches for t in (c.k, c.v))
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, on_shape: Callable[[int, int], None] | None = None) -> None:
         """Run every shape of the decode step once, every row a padding row: compiles or captures each,
-        writes only the scratch position. After it, decode steps compile nothing."""
+        writes only the scratch position. After it, decode steps compile nothing. `on_shape(done, of)`
+        after each shape (a progress line)."""
         # torch.compile specialises on each shape, and a fullgraph compile fails past its recompile limit (8).
         with torch._dynamo.config.patch(recompile_limit=max(len(self.shapes), 8)):
-            for batch, kv_len in self.shapes:
+            for done, (batch, kv_len) in enumerate(self.shapes, start=1):
                 self._step_at(batch, kv_len)(torch.zeros(batch, 1, dtype=torch.long, device=self.device),
                                              torch.full((batch, 1), self.scratch_position, device=self.device))
+                if on_shape is not None:
+                    on_shape(done, len(self.shapes))
 
     def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Logits (D, V) of one step of the sequences in cache rows 0..D-1: `tokens` (D,), each at its own

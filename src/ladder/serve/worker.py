@@ -131,7 +131,8 @@ def _warm_up(engine: Engine) -> None:
     say(f"ladder: making the {engine.step.value} decode step for {len(engine.shapes)} shapes (batch "
         f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))})")
     start = time.perf_counter()
-    engine.warm_up()
+    engine.warm_up(lambda done, of: say(f"ladder: {done} of {of} shapes made, {time.perf_counter() - start:.0f} s")
+                   if of > 1 and done < of else None)
     say(f"ladder: decode step ready in {time.perf_counter() - start:.1f} s")
 
 
