@@ -1,11 +1,13 @@
 """Fixtures shared by several test files."""
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from ladder.options import CPU_DTYPE, CPU_GEMM_TEMPLATES
+from ladder.options import CACHE_DIR, CPU_DTYPE, CPU_GEMM_TEMPLATES
 
 # Tests compare ladder with transformers and with itself in float32, whatever this CPU computes in: every
 # command the suite starts, in this process or another, defaults to it.
@@ -13,6 +15,8 @@ os.environ[CPU_DTYPE] = "float32"
 # A compiled CPU step builds and times inductor's C++ GEMM templates for each shape (tens of seconds): the
 # tests of compiled steps check tokens and overlap with inductor's defaults, and test_engine's with the templates.
 os.environ[CPU_GEMM_TEMPLATES] = "0"
+# GGUF files are converted once into a cache of the suite's own, never the user's (~/.cache/ladder)
+os.environ[CACHE_DIR] = str(Path(tempfile.gettempdir()) / f"ladder-tests-cache-{os.getuid()}")
 # Several test files at a time (scripts/test.sh) share the cores: each worker, and every process it starts,
 # takes its share of threads. With more threads than cores, OpenMP's threads spin on cores that another
 # process needs: two processes decoding the tiny preset on two cores took 26-28 ms a token with two

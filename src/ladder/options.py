@@ -31,6 +31,7 @@ DECODE_ATTENTION = "LADDER_DECODE_ATTENTION"
 INDUCTOR_OPTIONS = "LADDER_INDUCTOR_OPTIONS"
 DIST_TIMEOUT = "LADDER_DIST_TIMEOUT"
 API_KEY = "LADDER_API_KEY"
+CACHE_DIR = "LADDER_CACHE_DIR"
 LAUNCHED_WORKER = "LADDER_LAUNCHED_WORKER"
 
 VARIABLES = (
@@ -48,6 +49,9 @@ VARIABLES = (
     Variable(DIST_TIMEOUT, "300",
              "Seconds a rank waits at the rendezvous or in a collective before every rank stops with an error."),
     Variable(API_KEY, "none", "`ladder serve`: the key clients must send (as `--api-key`)."),
+    Variable(CACHE_DIR, "~/.cache/ladder",
+             "Where a GGUF file is converted once (float32 weights, 4 bytes a parameter, one entry per file), "
+             "for later starts to read; off: no cache."),
     Variable(LAUNCHED_WORKER, "unset", "Set by ladder in the ranks it launches (`--nproc`); not for users."),
 )
 NAMES = frozenset(v.name for v in VARIABLES)

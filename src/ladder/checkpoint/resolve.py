@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 from ladder.checkpoint.base import Checkpoint
-from ladder.checkpoint.gguf import open_gguf
+from ladder.checkpoint.cache import open_gguf_cached
 from ladder.checkpoint.hf import open_hf
 from ladder.checkpoint.hf_config import read_hf_config
 from ladder.errors import LadderError
@@ -39,7 +39,7 @@ def open_checkpoint(name_or_path: str) -> Checkpoint:
     if path.is_dir():
         return open_hf(path)
     if path.suffix == ".gguf":
-        return open_gguf(path)
+        return open_gguf_cached(path)
     raise LadderError(f"{path} is neither a .gguf file nor a Hugging Face checkpoint folder")
 
 
