@@ -261,6 +261,9 @@ def test_building_and_running_an_engine_leaves_the_model_it_was_given_as_it_was(
     with torch.inference_mode():
         assert torch.equal(model(PROMPT), before)
     assert Engine(model).generate(PROMPT, 4).tokens == tokens
+    model.setup_caches(2, 16)  # an engine's caches are its own, even where the model has some
+    assert Engine(model).generate(PROMPT, 4).tokens == tokens
+    assert model.layers[0].attention.kv_cache.k.abs().sum() == 0
 
 
 def test_cuda_graph_decode_needs_cuda_and_excludes_compile():

@@ -318,7 +318,11 @@ class Transformer(nn.Module):
         and leaves the model that its caller holds as it was."""
         shared = {id(t): t for t in itertools.chain(self.parameters(), self.buffers())}
         shared[id(self.comm)] = self.comm
-        return copy.deepcopy(self, shared)
+        view = copy.deepcopy(self, shared)
+        for layer in view.layers:  # caches of its own (`setup_caches`), not the model's
+            layer.attention.kv_cache = None
+        view.max_batch = view.max_seq = 0
+        return view
 
     def attend_with(self, decode_kernel: str, compute_dtype: torch.dtype | None) -> None:
         """How every layer attends (`attend`): set on a view (`view`), before its steps compile."""
