@@ -19,8 +19,8 @@ from ladder.runtime.completions import complete
 from ladder.runtime.engine import Engine
 from ladder.runtime.sampling import SamplingParams
 from ladder.train.answers import ANSWERS_FILE, answer_texts
-from ladder.train.distill import ResidualTaps, kl_to_teacher, residual_mismatch
-from ladder.train.loop import train
+from ladder.train.distill import Objective, ResidualTaps, kl_to_teacher, residual_mismatch
+from ladder.train.loop import freeze_non_ladder, train
 from ladder.train.settings import TrainConfig, load_train_config
 
 from helpers import CPU, make_model, python_docs_corpus, tiny
@@ -89,6 +89,40 @@ def test_the_taps_add_up_to_the_stream_the_model_computes(layout, n):
     with torch.no_grad():  # nothing is recorded outside `recording`
         model(torch.randint(0, 256, (1, 3)))
     assert taps.after_layers(0).shape[2] == 9
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_forward_from_the_shared_stream_equals_each_models_own(n):
+    """Hybrid ladder on the last n of 4 layers and the standard model it came from go on from the stream
+    the standard one computed before the first ladder layer, and give their own logits."""
+    teacher, student = make_model(tiny()), make_model(tiny(layout="ladder", ladder_layers=n))  # one seed
+    tokens = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        shared = teacher.stream_before(tokens, student.config.first_ladder_layer)
+        torch.testing.assert_close(student(tokens, resume_from=shared), student(tokens), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(teacher(tokens, resume_from=shared), teacher(tokens), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(student(tokens), teacher(tokens), atol=1e-3)  # the layouts do differ
+
+
+def test_sharing_the_frozen_prefix_gives_the_same_losses_and_gradients():
+    teacher = make_model(tiny())
+    student = make_model(tiny(layout="ladder", ladder_layers=2)).train()
+    freeze_non_ladder(student)
+    tokens = torch.randint(0, 256, (2, 17))
+    seen = []
+    for share in (False, True):
+        objective = Objective({"kl": 1.0, "hidden": 1.0, "ce": 0.5}, 2.0, student, teacher, share_prefix=share)
+        terms = objective.losses(student, tokens[:, :-1], tokens[:, 1:])
+        objective.total(terms).backward()
+        seen.append(({k: v.item() for k, v in terms.items()},
+                     {name: p.grad.clone() for name, p in student.named_parameters() if p.requires_grad}))
+        student.zero_grad(set_to_none=True)
+    (terms, grads), (shared_terms, shared_grads) = seen
+    assert shared_terms == pytest.approx(terms, rel=1e-5) and terms["kl"] > 0 and terms["hidden"] > 0
+    assert grads.keys() == shared_grads.keys() and all(k.startswith("layers.2.") or k.startswith("layers.3.")
+                                                       for k in grads)
+    for name in grads:
+        torch.testing.assert_close(shared_grads[name], grads[name], rtol=1e-4, atol=1e-6)
 
 
 def test_comparing_a_model_with_itself_agrees_everywhere_with_kl_zero():

@@ -10,6 +10,8 @@ from ladder.comm.base import LocalCommunicator
 from ladder.errors import LadderError
 from ladder.model.weights import random_model
 from ladder.options import CPU_GEMM_TEMPLATES, DECODE_ATTENTION, INDUCTOR_OPTIONS, DecodeStep, RuntimeOptions
+from ladder.runtime import compile as compile_module
+from ladder.runtime.compile import INDUCTOR_CACHE_DIR, uses_gemm_templates, weights_digest
 from ladder.runtime.engine import Engine
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.runtime.step_clock import StepClock
@@ -157,17 +159,46 @@ def test_out_of_vocabulary_prompt_is_an_error(engine):
         engine.generate(torch.tensor([[1, 999]]), 2)
 
 
-def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape(monkeypatch):
+def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape_and_a_restart_reads_its_graph(
+        monkeypatch, tmp_path):
     """With the weights frozen and inductor's C++ GEMM templates, a compiled CPU step's default (the other
     tests of compiled steps leave them out: conftest.py). The weights are constants of the compiled graph,
-    which inductor's cache keyed by shape: the second model must not run the first one's."""
+    which inductor's cache keys by shape and ladder by a digest of the weights too: the second model must
+    not run the first one's, and the first one, compiled again (a later start), reads its graph."""
+    from torch._dynamo.utils import counters
+
     monkeypatch.setenv(CPU_GEMM_TEMPLATES, "1")
-    for seed in (0, 1):
+    monkeypatch.setenv(INDUCTOR_CACHE_DIR, str(tmp_path / "inductor"))  # an empty cache
+    for start, seed in enumerate((0, 1, 0)):
         config = tiny(layout="ladder", n_layers=2, ladder_layers=1)
         model = random_model(config, LocalCommunicator(), CPU, torch.bfloat16, seed)
         eager = Engine(model).generate(PROMPT, 6).tokens
+        torch._dynamo.reset()  # what a new process starts with
+        counters.clear()
         compiled = Engine(model, DecodeStep.COMPILED)
         assert compiled.generate(PROMPT, 6).tokens == eager, f"seed {seed}"
+        hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+        assert (hits > 0) == (start == 2), (start, dict(counters["inductor"]), dict(counters["aot_autograd"]))
+
+
+@pytest.mark.parametrize("computes_in_bf16, chosen, expected", [(True, None, False), (False, None, True),
+                                                                (True, True, True), (False, False, False)])
+def test_gemm_templates_are_the_default_only_on_a_cpu_without_bf16_arithmetic(monkeypatch, computes_in_bf16, chosen,
+                                                                              expected):
+    monkeypatch.setattr(compile_module, "cpu_computes_in_bf16", lambda: computes_in_bf16)
+    assert uses_gemm_templates(RuntimeOptions(cpu_gemm_templates=chosen), CPU) is expected
+    assert not uses_gemm_templates(RuntimeOptions(cpu_gemm_templates=True), torch.device("cuda"))
+
+
+def test_the_weights_digest_reads_every_byte_and_not_the_kv_cache():
+    model = make_model(tiny())
+    model.setup_caches(2, 16)
+    digest = weights_digest(model)
+    model.layers[0].attention.kv_cache.k.fill_(1.0)
+    assert weights_digest(model) == digest
+    with torch.no_grad():
+        model.layers[1].feed_forward.w2.weight[3, 5] += 1e-3
+    assert weights_digest(model) != digest
 
 
 @pytest.mark.parametrize("layout", ["ladder", "parallel"])

@@ -41,6 +41,8 @@ def test_options_come_from_the_environment_once_and_bad_values_are_one_line_erro
         environment_value("LADDER_NOT_A_SETTING", {})
     with pytest.raises(LadderError, match="unknown decode attention 'paged'"):
         RuntimeOptions.from_environment(environ={"LADDER_DECODE_ATTENTION": "paged"})
+    with pytest.raises(LadderError, match="LADDER_CPU_GEMM_TEMPLATES='yes': set 0 or 1"):
+        RuntimeOptions.from_environment(environ={"LADDER_CPU_GEMM_TEMPLATES": "yes"})
 
 
 @pytest.mark.parametrize("step, device, expected", [

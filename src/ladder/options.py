@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from ladder.errors import LadderError
@@ -37,9 +38,10 @@ LAUNCHED_WORKER = "LADDER_LAUNCHED_WORKER"
 VARIABLES = (
     Variable(CPU_DTYPE, "bfloat16 on a CPU with bf16 arithmetic (AVX-512 BF16, AMX), else float32",
              "The dtype on a CPU when `--dtype` is not given: float32, bfloat16 or float16."),
-    Variable(CPU_GEMM_TEMPLATES, "1",
-             "0: a compiled CPU step keeps inductor's default GEMMs instead of freezing the weights into its C++ "
-             "GEMM templates (compiles faster, runs slower)."),
+    Variable(CPU_GEMM_TEMPLATES, "1 on a CPU without bf16 arithmetic (AVX2), else 0",
+             "1: a compiled CPU step freezes the weights into inductor's C++ GEMM templates (faster on AVX2; a "
+             "later start compiles again for about 20 s); 0: inductor's default GEMMs, weights as inputs (a later "
+             "start reads the whole compiled step from the cache)."),
     Variable(DECODE_ATTENTION, "products for a compiled step on a CPU, else sdpa",
              "A decode step's attention: sdpa (ATen), products (one loop nest, for compiled CPU steps) or flex "
              "(FlexAttention, compiled only)."),
@@ -50,8 +52,10 @@ VARIABLES = (
              "Seconds a rank waits at the rendezvous or in a collective before every rank stops with an error."),
     Variable(API_KEY, "none", "`ladder serve`: the key clients must send (as `--api-key`)."),
     Variable(CACHE_DIR, "~/.cache/ladder",
-             "Where a GGUF file is converted once (float32 weights, 4 bytes a parameter, one entry per file), "
-             "for later starts to read; off: no cache."),
+             "What later starts read instead of doing it again: `gguf/`, each GGUF file converted once (float32 "
+             "weights, 4 bytes a parameter); `inductor/`, torch.compile's own caches (compiled steps, kernels, "
+             "autotuning; no weights: SmolLM2's, every step kind, 8 MB). off: neither (torch then keeps its kernels "
+             "in its default folder)."),
     Variable(LAUNCHED_WORKER, "unset", "Set by ladder in the ranks it launches (`--nproc`); not for users."),
 )
 NAMES = frozenset(v.name for v in VARIABLES)
@@ -66,6 +70,12 @@ def environment_value(name: str, environ: Mapping[str, str] | None = None) -> st
     if name not in NAMES:
         raise KeyError(f"{name} is not in ladder.options.VARIABLES")
     return (os.environ if environ is None else environ).get(name) or None
+
+
+def cache_root() -> Path | None:
+    """ladder's cache folder (`LADDER_CACHE_DIR`), None when the user turned it off."""
+    value = environment_value(CACHE_DIR) or "~/.cache/ladder"
+    return None if value == "off" else Path(value).expanduser()
 
 
 def dist_timeout_s() -> float:
@@ -137,7 +147,7 @@ class RuntimeOptions:
 
     step: DecodeStep = DecodeStep.EAGER
     decode_attention: str | None = None
-    cpu_gemm_templates: bool = True  # a compiled CPU step freezes its weights for inductor's C++ GEMM templates
+    cpu_gemm_templates: bool | None = None  # frozen weights in inductor's C++ GEMM templates; None: per CPU kind
     inductor_options: Mapping[str, Any] = field(default_factory=dict)  # added to every compile of a step
 
     def __post_init__(self) -> None:
@@ -151,7 +161,7 @@ class RuntimeOptions:
         """The options of `step` (from the command line's flags: `DecodeStep.from_flags`) and the
         environment's variables."""
         return cls(step=step, decode_attention=environment_value(DECODE_ATTENTION, environ),
-                   cpu_gemm_templates=environment_value(CPU_GEMM_TEMPLATES, environ) != "0",
+                   cpu_gemm_templates=_flag(CPU_GEMM_TEMPLATES, environ),
                    inductor_options=parse_inductor_options(environment_value(INDUCTOR_OPTIONS, environ)))
 
     def decode_attention_on(self, device_type: str) -> str:
@@ -163,6 +173,14 @@ class RuntimeOptions:
             return self.decode_attention
         compiles = self.step.compiles_step or self.step.compiles_layers
         return "products" if compiles and device_type == "cpu" else "sdpa"
+
+
+def _flag(name: str, environ: Mapping[str, str] | None) -> bool | None:
+    """A 0/1 variable: None when unset (its default depends on the machine)."""
+    value = environment_value(name, environ)
+    if value not in (None, "0", "1"):
+        raise LadderError(f"{name}={value!r}: set 0 or 1")
+    return None if value is None else value == "1"
 
 
 def parse_inductor_options(text: str | None) -> dict[str, Any]:

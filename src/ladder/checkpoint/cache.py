@@ -29,16 +29,10 @@ from ladder.checkpoint.gguf import open_gguf
 from ladder.checkpoint.hf import open_hf, save_hf
 from ladder.comm.distributed import say
 from ladder.errors import LadderError
-from ladder.options import CACHE_DIR, environment_value
+from ladder.options import CACHE_DIR, cache_root
 
 CONVERTER_VERSION = 1  # raise when what an entry holds changes: older entries are then not read
 IDENTITY_FILE = "ladder-gguf.json"
-
-
-def cache_root() -> Path | None:
-    """The cache folder, None when the user turned it off."""
-    value = environment_value(CACHE_DIR) or "~/.cache/ladder"
-    return None if value == "off" else Path(value).expanduser()
 
 
 def file_identity(path: Path) -> dict[str, object]:

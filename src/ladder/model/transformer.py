@@ -18,18 +18,31 @@ import functools
 import itertools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladder.comm.base import Communicator, LocalCommunicator
+from ladder.comm.base import Communicator, Done, LocalCommunicator
 from ladder.errors import LadderError
 from ladder.model.config import ModelConfig, ShardShape
 from ladder.model.schedule import ladder_residual
 
 HALF_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class PartialStream:
+    """The residual stream of a cache-free forward where it enters layer `layer`: `r` without the last
+    module's output `pending` (how a ladder layer there reads it; a standard one adds `pending` first).
+    Two models that share their first layers compute it once (`Transformer.stream_before`), and each goes
+    on from it (`forward(resume_from=...)`): distillation's teacher and its partly converted student."""
+
+    layer: int
+    r: torch.Tensor  # (B, T, dim)
+    pending: torch.Tensor  # (B, T, dim), already all-reduced
 
 
 class RMSNorm(nn.Module):
@@ -369,13 +382,36 @@ class Transformer(nn.Module):
     # ---- forward ---------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
-                last_only: bool = False, rows: slice | None = None, kv_len: int | None = None) -> torch.Tensor:
+                last_only: bool = False, rows: slice | None = None, kv_len: int | None = None,
+                resume_from: PartialStream | None = None) -> torch.Tensor:
         """tokens (B, T); input_pos: each row's cache positions (B, T) (a (T,) vector stands for every
         row's), or None for a cache-free causal forward. The rows are KV-cache rows `rows` (default: the
         first B), and attend to the first `kv_len` cache positions only (continuous batching, `ladder.serve`).
         `last_only`: logits of the last position only, (B, 1, vocab), all that sampling needs after a
         prefill (the head over every prompt position would cost batch x prompt x vocab x dim x 2 FLOPs
-        and as many logits in memory: 17 GB for Llama-3 at batch 64, prompt 1024, bf16)."""
+        and as many logits in memory: 17 GB for Llama-3 at batch 64, prompt 1024, bf16).
+        `resume_from`: a cache-free forward of these tokens from the stream where it enters a later layer
+        (`stream_before`), instead of from the embedding."""
+        B, T = tokens.shape
+        if resume_from is not None:
+            if input_pos is not None or self.config.layout not in ("standard", "ladder"):
+                raise LadderError("resume_from is a cache-free forward of the standard, ladder or hybrid layout")
+            r = resume_from.r
+            rope = self.rope(torch.arange(T, device=tokens.device).expand(B, T), r.dtype)
+            r = self._ladder_layers(r, rope, None, None, None, first=resume_from.layer,
+                                    pending=[Done(resume_from.pending)])
+        else:
+            r = self._layers(tokens, input_pos, rows, kv_len)
+        if last_only:
+            r = r[:, -1:]
+        logits = self.head(r)  # (B, T, vocab or vocab / tp)
+        if self.shard_vocab:
+            logits = self.comm.all_gather_last_dim(logits)  # (B, T, vocab)
+        return logits
+
+    def _layers(self, tokens: torch.Tensor, input_pos: torch.Tensor | None, rows: slice | None,
+                kv_len: int | None) -> torch.Tensor:
+        """The residual stream after the last layer, from the embedding of tokens (B, T)."""
         B, T = tokens.shape
         r = self.tok_embeddings(tokens)  # (B, T, dim)
         positions = (input_pos if input_pos is not None else torch.arange(T, device=tokens.device)).expand(B, T)
@@ -388,38 +424,49 @@ class Transformer(nn.Module):
             rope = self.cached_rope(positions, r.dtype)
             key_pos = torch.arange(kv_len or self.max_seq, device=tokens.device)
             mask = (key_pos <= positions[..., None])[:, None]  # (B, 1, T, S): a query sees keys up to its position
-
         layout = self.config.layout
         if layout == "parallel":
-            r = self._parallel_layers(r, rope, input_pos, mask, rows)
-        elif layout in ("desync", "upper-bound"):
-            r = self._unsynchronised_layers(r, rope, input_pos, mask, rows)
-        else:
-            r = self._ladder_layers(r, rope, input_pos, mask, rows)
+            return self._parallel_layers(r, rope, input_pos, mask, rows)
+        if layout in ("desync", "upper-bound"):
+            return self._unsynchronised_layers(r, rope, input_pos, mask, rows)
+        return self._ladder_layers(r, rope, input_pos, mask, rows)
 
-        if last_only:
-            r = r[:, -1:]
-        logits = self.head(r)  # (B, T, vocab or vocab / tp)
-        if self.shard_vocab:
-            logits = self.comm.all_gather_last_dim(logits)  # (B, T, vocab)
-        return logits
+    def stream_before(self, tokens: torch.Tensor, layer: int) -> PartialStream:
+        """The residual stream of a cache-free forward of tokens (B, T) where it enters `layer` (0 < layer
+        <= n_layers), from this model's layers before it. Standard, ladder and hybrid layouts, TP 1."""
+        if self.config.layout not in ("standard", "ladder") or self.comm.world_size != 1:
+            raise LadderError("stream_before is a TP-1 forward of the standard, ladder or hybrid layout")
+        if not 0 < layer <= self.config.n_layers:
+            raise LadderError(f"stream_before: layer {layer} is not in 1..{self.config.n_layers}")
+        B, T = tokens.shape
+        r = self.tok_embeddings(tokens)
+        rope = self.rope(torch.arange(T, device=tokens.device).expand(B, T), r.dtype)
+        n_modules = 2 * self.config.n_layers
+        r, (last,) = ladder_residual(r, self._residual_modules(rope, None, None, None, end=layer), self.comm,
+                                     2 * self.config.first_ladder_layer, n_modules, nothing=torch.zeros_like(r),
+                                     hand_on=1)
+        return PartialStream(layer, r, last.wait())
 
     def head(self, r: torch.Tensor) -> torch.Tensor:
         """The final norm and the output head: logits (B, T, vocab on this rank) of the stream r (B, T, dim)."""
         return self.output(self.norm(r))
 
-    def _residual_modules(self, rope, input_pos, mask, rows):
-        """The 2L modules h_1..h_2L in execution order, as (index, step) pairs: step(r, arrived) adds
-        `arrived` to the stream r and returns the sum and the module's output of it (`Block.attention_step`)."""
-        for i, layer in enumerate(self.layers):
+    def _residual_modules(self, rope, input_pos, mask, rows, first: int = 0, end: int | None = None):
+        """The modules of layers first..end-1 (default: all 2L) in execution order, as (index, step) pairs:
+        step(r, arrived) adds `arrived` to the stream r and returns the sum and the module's output of it
+        (`Block.attention_step`)."""
+        for i in range(first, self.config.n_layers if end is None else end):
+            layer = self.layers[i]
             yield 2 * i, lambda r, arrived, layer=layer: layer.attention_step(r, arrived, rope, input_pos, mask, rows)
             yield 2 * i + 1, layer.mlp_step
 
-    def _ladder_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:
-        """Standard, ladder and hybrid: the ladder recurrence (`ladder.model.schedule.ladder_residual`)."""
+    def _ladder_layers(self, r, rope, input_pos, mask, rows, first: int = 0, pending=None) -> torch.Tensor:
+        """Standard, ladder and hybrid: the ladder recurrence (`ladder.model.schedule.ladder_residual`), from
+        layer `first` with the outputs `pending` not yet added."""
         n_modules = 2 * self.config.n_layers
-        r, _ = ladder_residual(r, self._residual_modules(rope, input_pos, mask, rows), self.comm,
-                               2 * self.config.first_ladder_layer, n_modules, nothing=torch.zeros_like(r))
+        r, _ = ladder_residual(r, self._residual_modules(rope, input_pos, mask, rows, first), self.comm,
+                               2 * self.config.first_ladder_layer, n_modules, nothing=torch.zeros_like(r),
+                               pending=pending)
         return r
 
     def _parallel_layers(self, r, rope, input_pos, mask, rows) -> torch.Tensor:

@@ -4,32 +4,60 @@ frozen weights on a CPU. (`--compile-layers` compiles each layer instead: `Trans
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import hashlib
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ladder.comm.emulated import trace_emulated_launches
 from ladder.cpu.inductor_fix import keep_mutation_renames
-from ladder.options import RuntimeOptions
+from ladder.model.config import cpu_computes_in_bf16
+from ladder.model.transformer import KVCache
+from ladder.options import RuntimeOptions, cache_root
 
-# A compiled CPU step freezes the weights (constants of the graph) so that inductor can pick its C++ GEMM
+INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
+
+# A compiled CPU step can freeze the weights (constants of the graph) so that inductor can pick its C++ GEMM
 # templates: weights repacked once into blocks, the int8 dequantization and scale fused into the GEMM.
 # SmolLM2 at batch 1 on an AVX2 CPU (docs/quantization.md): int8 bf16 twice as fast as torch's
-# `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. The compile takes longer (each GEMM
-# shape's template and ATen kernel are built and timed): `RuntimeOptions.cpu_gemm_templates` (False:
-# LADDER_CPU_GEMM_TEMPLATES=0) keeps inductor's defaults.
+# `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. On a CPU with bf16 arithmetic (AMD
+# EPYC, AVX-512 BF16; docs/compile.md) they gain little or lose: int8 85.4 against 81.8 tokens/s, bf16
+# 37.8 against 45.2; and a frozen step cannot come whole from torch's caches (AOTAutograd's refuses
+# freezing): a later start compiles again for about 20 s, where an unfrozen step is read back in 7.
+# So they are on by default only where bf16 arithmetic is missing (`uses_gemm_templates`).
 # (inductor reads `freezing` outside a compile's options: `_with_frozen_weights` sets it.)
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
-def compile_step(step: Callable[..., torch.Tensor], device: torch.device,
-                 options: RuntimeOptions) -> Callable[..., torch.Tensor]:
+def use_compile_cache() -> Path | None:
+    """Where torch.compile keeps what a later start reads instead of compiling again (inductor's FX graph
+    cache, AOTAutograd's, its autotuning results and built kernels): `TORCHINDUCTOR_CACHE_DIR` where the
+    user set it, else `inductor/` in ladder's cache folder (set for this process, before its first
+    compile). None when the user turned ladder's cache off."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(INDUCTOR_CACHE_DIR)  # (importing inductor sets it to its default: not a choice)
+    if chosen and Path(chosen).resolve() != Path(default_cache_dir()).resolve():
+        return Path(chosen)
+    root = cache_root()
+    if root is None:
+        return None
+    os.environ[INDUCTOR_CACHE_DIR] = str(root / "inductor")
+    return root / "inductor"
+
+
+def compile_step(step: Callable[..., torch.Tensor], device: torch.device, options: RuntimeOptions,
+                 model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     """`step` as one torch.compile graph (collectives, real or emulated, trace into it), as in the paper,
     with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each all-reduce
     launch down to its wait, and the overlap with it. Each wait is a custom op that writes its result:
     `keep_mutation_renames` keeps inductor's CPU fusion from reading that result before the wait."""
-    templates = device.type == "cpu" and options.cpu_gemm_templates
+    templates = uses_gemm_templates(options, device)
     inductor = {"triton.cudagraphs": device.type == "cuda", "reorder_for_locality": False,
                 **(CPU_GEMM_TEMPLATES if templates else {}), **options.inductor_options}
     trace_emulated_launches()
@@ -38,7 +66,15 @@ def compile_step(step: Callable[..., torch.Tensor], device: torch.device,
     # guards on the model can go: they would be checked each step, and this engine's model never changes.
     compiled = torch.compile(step, fullgraph=True, options={**inductor, "guard_filter_fn": guards_off_the_model},
                              isolate_recompiles=True)
-    return _with_frozen_weights(compiled) if templates else compiled
+    return _with_frozen_weights(compiled, model) if templates else compiled
+
+
+def uses_gemm_templates(options: RuntimeOptions, device: torch.device) -> bool:
+    """Whether a compiled step freezes its weights into inductor's C++ GEMM templates: on a CPU, where the
+    user says so (`LADDER_CPU_GEMM_TEMPLATES`), else where the CPU has no bf16 arithmetic (the comment above)."""
+    if device.type != "cpu":
+        return False
+    return options.cpu_gemm_templates if options.cpu_gemm_templates is not None else not cpu_computes_in_bf16()
 
 
 def guards_off_the_model(guards: list[Any]) -> list[bool]:
@@ -50,18 +86,51 @@ def guards_off_the_model(guards: list[Any]) -> list[bool]:
             or (guard.guard_type == "TENSOR_MATCH" and "._buffers[" in guard.name) for guard in guards]
 
 
-def _with_frozen_weights(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`compiled`, compiling (at its first call, and at each recompile) with the weights frozen: an engine
-    serves fixed weights, and the prefill, eager, reads the model's own. Not through inductor's on-disk
-    graph cache, so each compile starts cold (SmolLM2 int8: ~140 s; bf16 ~35 s from the cache): it keys
-    frozen weights by their shapes, and a hit gave a second model of one shape the first one's weights
-    (tests/test_engine.py). With a digest of the weights in its key (tried), each entry still wrote the
-    weights the graph packed to disk, once for every shape a step is made at (SmolLM2: 137 MB int8, 271 MB
-    bf16 an entry)."""
+def _with_frozen_weights(compiled: Callable[..., torch.Tensor], model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """`compiled`, compiling (at its first call, and at each recompile) with `model`'s weights frozen: an
+    engine serves fixed weights, and the prefill, eager, reads the model's own.
+
+    Inductor's FX graph cache keys frozen weights by their shapes: a hit gave a second model of one shape
+    the first one's weights (tests/test_engine.py). So a digest of every byte of the weights goes into the
+    key (torch's `cache_key_tag`), and a later start with the same weights reads the graph; other weights
+    compile their own. oneDNN's prepacked weights (`cpp.weight_prepack`) cannot be pickled, and inductor
+    skips its cache for a graph that holds them: left out (the GEMM templates pack their own). With
+    ladder's cache off, nothing is written."""
     import torch._inductor.config as inductor_config
+
+    tag: list[str] = []  # the digest, taken at the first compile (an engine built and not run pays nothing)
 
     @functools.wraps(compiled)
     def step(*args: Any, **kwargs: Any) -> torch.Tensor:
-        with inductor_config.patch(freezing=True, fx_graph_cache=False):
+        cached = cache_root() is not None
+        if cached and not tag:
+            tag.append(f"ladder-weights-{weights_digest(model)}")
+        with inductor_config.patch({"freezing": True, "fx_graph_cache": cached, "cpp.weight_prepack": False}), \
+                torch.compiler.config.patch(cache_key_tag=tag[0] if cached else ""):
             return compiled(*args, **kwargs)
     return step
+
+
+@torch.no_grad()
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of every byte of a model's weights: its parameters and buffers (quantized tensors by their
+    parts), not its KV caches. SmolLM2 in float32 (540 MB): about half a second here."""
+    caches = {id(b) for m in model.modules() if isinstance(m, KVCache) for b in m.buffers()}
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if id(tensor) in caches:
+            continue
+        for part in _plain_parts(tensor):
+            digest.update(f"{name}:{part.dtype}:{tuple(part.shape)}".encode())
+            digest.update(part.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _plain_parts(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A tensor, or the plain tensors a tensor subclass (torchao's quantized weights) is made of."""
+    if not is_traceable_wrapper_subclass(tensor):
+        yield tensor
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        yield from _plain_parts(getattr(tensor, name))

@@ -35,7 +35,7 @@ from ladder.errors import LadderError
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.transformer import HALF_PRECISION, Transformer
 from ladder.options import DecodeStep, RuntimeOptions
-from ladder.runtime.compile import compile_step
+from ladder.runtime.compile import compile_step, use_compile_cache
 from ladder.runtime.cuda_graph import CudaGraphStep
 from ladder.runtime.limits import check_context, check_token_ids
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, row_generators, sample
@@ -110,8 +110,10 @@ class Engine:
             linear_forms(self._step_model, pack=False, int8_rows=False, upcast=upcast)
             self._step_model.attend_with(options.decode_attention_on(self.device.type), compute_dtype)
         self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, self._step_model)
+        if step.compiles_step or step.compiles_layers:
+            use_compile_cache()
         if step.compiles_step:
-            self._forward = compile_step(self._forward, self.device, options)
+            self._forward = compile_step(self._forward, self.device, options, self._step_model)
         if step.compiles_layers:
             self._step_model.compile_layers(options.inductor_options)
         self.max_batch = self.max_seq = 0

@@ -15,6 +15,7 @@ from ladder.errors import LadderError
 from ladder.model.config import ModelConfig, ShardShape
 from ladder.options import DecodeStep, RuntimeOptions
 from ladder.quant.quantize import bytes_per_weight, quantizes_head
+from ladder.runtime.compile import uses_gemm_templates
 
 MEMORY_USABLE = 0.9  # of a device's memory; the rest is the allocator's, CUDA's and the graphs' own
 
@@ -55,7 +56,7 @@ def cpu_step_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str
     dequantized = 0
     if quantize == "int8":
         dequantized = max(min(rows, DEQUANTIZE_ROWS) * columns for rows, columns in [*block, head]) * 4
-    if step is not DecodeStep.COMPILED or not RuntimeOptions.from_environment(step).cpu_gemm_templates:
+    if step is not DecodeStep.COMPILED or not uses_gemm_templates(RuntimeOptions.from_environment(step), torch.device("cpu")):
         return dequantized
     quantized_bytes = bytes_per_weight(quantize, dtype_bytes, row_width=config.dim)
     packed = [] if quantize == "int4" else [rows * columns * quantized_bytes for rows, columns in block]

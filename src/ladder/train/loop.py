@@ -43,7 +43,7 @@ from ladder.train.checkpoints import (check_out_dir_is_shared, checkpoint_dirs, 
                                       resume_optimizer, save_checkpoint)
 from ladder.train.answers import answer_texts, is_answers
 from ladder.train.data import Batches, pack, read_texts
-from ladder.train.distill import Objective, load_teacher, teacher_spec
+from ladder.train.distill import ORIGINAL, Objective, load_teacher, teacher_spec
 from ladder.train.lora import add_lora
 from ladder.train.settings import TrainConfig
 from ladder.train.simulate import SimulatedRanks
@@ -124,6 +124,13 @@ def freeze_non_ladder(model: Any) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def shares_frozen_prefix(config: TrainConfig, model: Transformer) -> bool:
+    """Whether the student's layers before its ladder layers are the teacher's, frozen: the checkpoint it
+    was converted from as teacher, and only the converted layers training."""
+    return (config.teacher == ORIGINAL and config.trainable == "converted" and model.config.layout == "ladder"
+            and model.config.first_ladder_layer > 0)
+
+
 def choose_trainable(model: Any, config: TrainConfig) -> None:
     """Which parameters train: all, the converted layers', or LoRA adapters (on the converted layers or all)."""
     if config.trainable == "converted":
@@ -186,7 +193,8 @@ class _Run:
         latest = None
         if resume:  # weights load before FSDP shards them
             latest = load_latest_checkpoint(self.out_dir, model, self.run_state, rank)
-        self.objective = Objective(config.loss_weights(), config.temperature, model, self.teacher)
+        self.objective = Objective(config.loss_weights(), config.temperature, model, self.teacher,
+                                   share_prefix=shares_frozen_prefix(config, model))
         self.core = model  # the Transformer: what checkpoints save
         self.net = _simulated_ranks_if_desync(model, config, world)  # what computes the loss, before DP
         self.model = _data_parallel(self.net, config, world)
