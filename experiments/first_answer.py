@@ -3,6 +3,8 @@
 Each command runs in a fresh process, `--rounds` times in turns; the clock starts before the process is
 started and stops when its first byte of answer reaches stdout. ladder's first start converts the GGUF
 into its cache (`ladder.checkpoint.cache`: a cache folder made empty for that run), later starts read it.
+The compiled step (`--quantize int8 --compile`, ladder's fastest decode on a CPU) is timed from an empty
+compile cache (`inductor/` in the same folder, made empty) and then from what that start left there.
 transformers reads the same GGUF file each start (its own documented way: `gguf_file=`), and streams with
 `TextStreamer`.
 
@@ -77,10 +79,14 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="ladder-first-answer-"))
     env = {**os.environ, "LADDER_CACHE_DIR": str(cache), "OMP_NUM_THREADS": str(os.cpu_count())}
     ladder = [sys.executable, "-m", "ladder", "generate", "--model", MODEL, "--chat", QUESTION, "--max-new-tokens", "8"]
+    compiled = ladder + ["--quantize", "int8", "--compile"]
     runs = {
         "ladder generate, first start (converts the GGUF)": lambda: shutil.rmtree(cache / "gguf", ignore_errors=True)
         or first_output_s(ladder, env),
         "ladder generate": lambda: first_output_s(ladder, env),
+        "ladder generate --quantize int8 --compile, empty compile cache": lambda: shutil.rmtree(
+            cache / "inductor", ignore_errors=True) or first_output_s(compiled, env),
+        "ladder generate --quantize int8 --compile, again": lambda: first_output_s(compiled, env),
         "transformers generate (GGUF)": lambda: first_output_s(
             [sys.executable, "-c", TRANSFORMERS, str(resolve_model(MODEL)), QUESTION], env),
     }
