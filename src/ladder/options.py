@@ -54,7 +54,7 @@ VARIABLES = (
     Variable(CACHE_DIR, "~/.cache/ladder",
              "What later starts read instead of doing it again: `gguf/`, each GGUF file converted once (float32 "
              "weights, 4 bytes a parameter); `inductor/`, torch.compile's own caches (compiled steps, kernels, "
-             "autotuning; no weights: SmolLM2's, every step kind, 8 MB). off: neither (torch then keeps its kernels "
+             "autotuning; no weights: SmolLM2's, 1-16 MB a kind of step). off: neither (torch then keeps its kernels "
              "in its default folder)."),
     Variable(LAUNCHED_WORKER, "unset", "Set by ladder in the ranks it launches (`--nproc`); not for users."),
 )

@@ -26,9 +26,9 @@ INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 # templates: weights repacked once into blocks, the int8 dequantization and scale fused into the GEMM.
 # SmolLM2 at batch 1 on an AVX2 CPU (docs/quantization.md): int8 bf16 twice as fast as torch's
 # `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. On a CPU with bf16 arithmetic (AMD
-# EPYC, AVX-512 BF16; docs/compile.md) they gain little or lose: int8 85.4 against 81.8 tokens/s, bf16
-# 37.8 against 45.2; and a frozen step cannot come whole from torch's caches (AOTAutograd's refuses
-# freezing): a later start compiles again for about 20 s, where an unfrozen step is read back in 7.
+# EPYC, AVX-512 BF16; results/compile_cache.md) they gain at most 5 %: int8 87.2 against 83.1-86.1
+# tokens/s, bf16 level; and a frozen step cannot come whole from torch's caches (AOTAutograd's refuses
+# freezing): a later start compiles for 19.6 s, where an unfrozen step is read back in 6.2.
 # So they are on by default only where bf16 arithmetic is missing (`uses_gemm_templates`).
 # (inductor reads `freezing` outside a compile's options: `_with_frozen_weights` sets it.)
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
