@@ -318,7 +318,7 @@ def write_report(records: list[dict], out: Path, args: argparse.Namespace) -> No
         picture = plot_quality_against_speed(
             [pareto_point(r, domains) for r in [original, *distill]], out.with_suffix(".png"))
         lines += ["", "Same recipe and minutes for every N; the runs that computed the frozen layers' stream once for "
-                  "teacher and student (`distill` N=4 and 8 after fea2116) fit more tokens in them.", "",
+                  "teacher and student (`distill` N=4 and 8, from 102f339) fit more tokens in them.", "",
                   f"![quality against speed]({picture.name})"]
     scored = [r for r in [original, *runs] if "lm_eval" in r]
     if scored:
