@@ -392,13 +392,11 @@ class Transformer(nn.Module):
         and as many logits in memory: 17 GB for Llama-3 at batch 64, prompt 1024, bf16).
         `resume_from`: a cache-free forward of these tokens from the stream where it enters a later layer
         (`stream_before`), instead of from the embedding."""
-        B, T = tokens.shape
         if resume_from is not None:
             if input_pos is not None or self.config.layout not in ("standard", "ladder"):
                 raise LadderError("resume_from is a cache-free forward of the standard, ladder or hybrid layout")
-            r = resume_from.r
-            rope = self.rope(torch.arange(T, device=tokens.device).expand(B, T), r.dtype)
-            r = self._ladder_layers(r, rope, None, None, None, first=resume_from.layer,
+            rope = self._cache_free_rope(tokens, resume_from.r.dtype)
+            r = self._ladder_layers(resume_from.r, rope, None, None, None, first=resume_from.layer,
                                     pending=[Done(resume_from.pending)])
         else:
             r = self._layers(tokens, input_pos, rows, kv_len)
@@ -438,14 +436,18 @@ class Transformer(nn.Module):
             raise LadderError("stream_before is a TP-1 forward of the standard, ladder or hybrid layout")
         if not 0 < layer <= self.config.n_layers:
             raise LadderError(f"stream_before: layer {layer} is not in 1..{self.config.n_layers}")
-        B, T = tokens.shape
         r = self.tok_embeddings(tokens)
-        rope = self.rope(torch.arange(T, device=tokens.device).expand(B, T), r.dtype)
+        modules = self._residual_modules(self._cache_free_rope(tokens, r.dtype), None, None, None, end=layer)
         n_modules = 2 * self.config.n_layers
-        r, (last,) = ladder_residual(r, self._residual_modules(rope, None, None, None, end=layer), self.comm,
+        r, (last,) = ladder_residual(r, modules, self.comm,
                                      2 * self.config.first_ladder_layer, n_modules, nothing=torch.zeros_like(r),
                                      hand_on=1)
         return PartialStream(layer, r, last.wait())
+
+    def _cache_free_rope(self, tokens: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions 0..T-1 for every row of tokens (B, T)."""
+        B, T = tokens.shape
+        return self.rope(torch.arange(T, device=tokens.device).expand(B, T), dtype)
 
     def head(self, r: torch.Tensor) -> torch.Tensor:
         """The final norm and the output head: logits (B, T, vocab on this rank) of the stream r (B, T, dim)."""

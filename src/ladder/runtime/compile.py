@@ -34,21 +34,17 @@ INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
-def use_compile_cache() -> Path | None:
+def use_compile_cache() -> None:
     """Where torch.compile keeps what a later start reads instead of compiling again (inductor's FX graph
     cache, AOTAutograd's, its autotuning results and built kernels): `TORCHINDUCTOR_CACHE_DIR` where the
     user set it, else `inductor/` in ladder's cache folder (set for this process, before its first
-    compile). None when the user turned ladder's cache off."""
+    compile); torch's default folder when the user turned ladder's cache off."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     chosen = os.environ.get(INDUCTOR_CACHE_DIR)  # (importing inductor sets it to its default: not a choice)
-    if chosen and Path(chosen).resolve() != Path(default_cache_dir()).resolve():
-        return Path(chosen)
     root = cache_root()
-    if root is None:
-        return None
-    os.environ[INDUCTOR_CACHE_DIR] = str(root / "inductor")
-    return root / "inductor"
+    if root is not None and (not chosen or Path(chosen).resolve() == Path(default_cache_dir()).resolve()):
+        os.environ[INDUCTOR_CACHE_DIR] = str(root / "inductor")
 
 
 def compile_step(step: Callable[..., torch.Tensor], device: torch.device, options: RuntimeOptions,
@@ -98,15 +94,15 @@ def _with_frozen_weights(compiled: Callable[..., torch.Tensor], model: torch.nn.
     ladder's cache off, nothing is written."""
     import torch._inductor.config as inductor_config
 
-    tag: list[str] = []  # the digest, taken at the first compile (an engine built and not run pays nothing)
+    settings: dict[str, Any] = {}  # fixed at the first call (an engine built and not run digests nothing)
 
     @functools.wraps(compiled)
     def step(*args: Any, **kwargs: Any) -> torch.Tensor:
-        cached = cache_root() is not None
-        if cached and not tag:
-            tag.append(f"ladder-weights-{weights_digest(model)}")
-        with inductor_config.patch({"freezing": True, "fx_graph_cache": cached, "cpp.weight_prepack": False}), \
-                torch.compiler.config.patch(cache_key_tag=tag[0] if cached else ""):
+        if not settings:
+            cached = cache_root() is not None
+            settings.update(inductor={"freezing": True, "fx_graph_cache": cached, "cpp.weight_prepack": False},
+                            tag=f"ladder-weights-{weights_digest(model)}" if cached else "")
+        with inductor_config.patch(settings["inductor"]), torch.compiler.config.patch(cache_key_tag=settings["tag"]):
             return compiled(*args, **kwargs)
     return step
 

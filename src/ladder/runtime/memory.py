@@ -56,7 +56,9 @@ def cpu_step_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str
     dequantized = 0
     if quantize == "int8":
         dequantized = max(min(rows, DEQUANTIZE_ROWS) * columns for rows, columns in [*block, head]) * 4
-    if step is not DecodeStep.COMPILED or not uses_gemm_templates(RuntimeOptions.from_environment(step), torch.device("cpu")):
+    options = RuntimeOptions.from_environment(step)
+    frozen = step is DecodeStep.COMPILED and uses_gemm_templates(options, torch.device("cpu"))
+    if not frozen:
         return dequantized
     quantized_bytes = bytes_per_weight(quantize, dtype_bytes, row_width=config.dim)
     packed = [] if quantize == "int4" else [rows * columns * quantized_bytes for rows, columns in block]

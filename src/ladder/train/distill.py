@@ -145,11 +145,11 @@ class Objective:
     """A run's loss on a micro-batch: cross-entropy alone, or distillation from a teacher (the module's
     docstring), as the weights say. The student's forward runs here, so that its residual taps record it.
 
-    `share_prefix`: the student's layers before its first ladder layer are the teacher's, frozen (the original model as teacher,
-    only the converted layers training). Their stream is then computed once, by the teacher, and both
-    models go on from it: for ladder on the last 8 of SmolLM2's 30 layers, a step computes 22 layers
-    fewer of 60 forwards, and the student's losses and gradients are the same (in float32; in bf16 the
-    student's first layers compute as the teacher's bf16 copy does)."""
+    `share_prefix`: the student's layers before its first ladder layer are the teacher's, frozen (the
+    original model as teacher, only the converted layers training). Their stream is then computed once,
+    by the teacher, and both models go on from it: for ladder on the last 8 of SmolLM2's 30 layers, a
+    step computes 22 layers fewer of 60 forwards, and the student's losses and gradients are the same (in
+    float32; in bf16 the student's first layers compute as the teacher's bf16 copy does)."""
 
     def __init__(self, weights: dict[str, float], temperature: float, student: Transformer,
                  teacher: Transformer | None, share_prefix: bool = False) -> None:
