@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--hidden-weight", type=float, default=1.0)
+    parser.add_argument("--tag", help="a variant of the recipe (say, another --lr): recorded as RECIPE-TAG")
     parser.add_argument("--tokens", type=int, default=16384, help="held-out tokens per domain")
     parser.add_argument("--answer-tokens", type=int, default=48)
     parser.add_argument("--runs-dir", default="runs/distill")
@@ -215,8 +216,9 @@ def run_all(args: argparse.Namespace, out: Path) -> None:
         keep(record)
     answers, answer_seconds = write_answers(args, tokenizer)
     for recipe in args.recipes.split(","):
+        name = f"{recipe}-{args.tag}" if args.tag else recipe
         for n in [int(x) for x in args.ladder_layers.split(",")]:
-            run = Path(args.runs_dir) / f"{recipe}-n{n}"
+            run = Path(args.runs_dir) / f"{name}-n{n}"
             planned = run / "planned.json"  # a resumed run keeps the steps it planned
             if not planned.is_file():
                 steps, probed = steps_for(recipe, n, args)
@@ -229,7 +231,7 @@ def run_all(args: argparse.Namespace, out: Path) -> None:
             before = converted_quality(n, records, original, tokenizer, texts)
             result = train(config, resume=(run / "checkpoints").is_dir(), progress=True)
             minutes, tokens, stopped = train_minutes(run)
-            record = measure(run.name, recipe, n, load(str(result.final_dir)).model, original, tokenizer, texts, args)
+            record = measure(run.name, name, n, load(str(result.final_dir)).model, original, tokenizer, texts, args)
             record.update(converted=before, train_minutes=minutes, paused_minutes=stopped,
                           train_tokens=tokens, budget_minutes=None if args.steps else args.minutes, answers_minutes=answer_seconds / 60 if recipe == "distill" else None,
                           settings={k: v for k, v in vars(config).items() if k not in ("out_dir", "device")})

@@ -218,6 +218,7 @@ class Block(nn.Module):
     `Transformer.forward`."""
 
     STEPS = ("attention_step", "mlp_step", "parallel_step")  # what `Transformer.compile_layers` compiles
+    ATTENDING_STEPS = ("attention_step", "parallel_step")  # those that read the KV cache
 
     def __init__(self, config: ModelConfig, shard: ShardShape) -> None:
         super().__init__()
@@ -293,6 +294,7 @@ class Transformer(nn.Module):
         # computed once materialised (`reset_buffers`): arange on meta would import torch._dynamo too
         self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
         self.max_batch = self.max_seq = 0
+        self.layers_compiled = False  # `compile_layers`
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head (tied models, unsharded vocabulary).
@@ -359,13 +361,20 @@ class Transformer(nn.Module):
         between steps stay eager, so every layout keeps its eager schedule: ladder's all-reduces overlap
         the next step as they do uncompiled. The final norm and head are compiled too: an int8 head runs torchao's int8
         kernel only compiled (eager, it casts the whole table to the activations' dtype every call).
-        A prefill, of many lengths, runs on another view that is not compiled."""
-        compile_one = functools.partial(torch.compile, fullgraph=True, dynamic=False, options=dict(inductor_options or {}) or None)
+        A prefill, of many lengths, runs on another view that is not compiled.
+        The cache length a step attends to is a dynamic dimension (`_layers` marks the mask's), so a
+        server's attention step compiles twice a batch size (below the whole cache, and the whole cache,
+        whose keys are contiguous), not once for each cache length: a second start, which reads every graph
+        back from torch's cache, still traces each again (32 shapes took 7.7 s of 17)."""
+        options = dict(inductor_options or {}) or None
         for layer in self.layers:
             for name in Block.STEPS:
                 step = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
-                setattr(layer, name, compile_one(step))
-        self.head = compile_one(Transformer.head.__get__(self))
+                # The MLP step has no cache length: each batch size its own static graph, as the head's.
+                setattr(layer, name, torch.compile(step, fullgraph=True, dynamic=None if name in Block.ATTENDING_STEPS
+                                                   else False, options=options))
+        self.head = torch.compile(Transformer.head.__get__(self), fullgraph=True, dynamic=False, options=options)
+        self.layers_compiled = True
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, 1, T, hd) of each row's positions (B, T), to broadcast over heads."""
@@ -422,6 +431,8 @@ class Transformer(nn.Module):
             rope = self.cached_rope(positions, r.dtype)
             key_pos = torch.arange(kv_len or self.max_seq, device=tokens.device)
             mask = (key_pos <= positions[..., None])[:, None]  # (B, 1, T, S): a query sees keys up to its position
+            if self.layers_compiled:
+                torch._dynamo.maybe_mark_dynamic(mask, 3)  # one graph for every cache length (`compile_layers`)
         layout = self.config.layout
         if layout == "parallel":
             return self._parallel_layers(r, rope, input_pos, mask, rows)
