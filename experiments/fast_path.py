@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ladder.bench.records import environment
-from ladder.model.config import cpu_computes_in_bf16, default_dtype
+from ladder.bench.records import cpu_kind, environment
+from ladder.model.config import default_dtype
 from ladder.options import DecodeStep
 from quantization import decode_speed  # (experiments/ is the script's folder)
 
@@ -34,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    kind = "avx512-bf16" if cpu_computes_in_bf16() else "avx2"
+    kind = cpu_kind()
     rates: dict[str, list[float]] = {name: [] for name in CASES}
     dtypes = {}
     for _ in range(args.rounds):

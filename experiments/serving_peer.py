@@ -12,16 +12,21 @@ Loads, from `ladder bench serve`, each against each server in turn:
 - burst: 32 requests, at most 8 in flight, 64 prompt and 64 output tokens, all at once;
 - shakespeare: prompts drawn from held-out Shakespeare (up to 128 tokens), outputs up to 64 tokens,
   Poisson arrivals at 2 and 4 requests/s, at most 8 in flight;
-- single: 8 requests one after another, 64 prompt and 128 output tokens (batch 1).
+- single: 8 requests one after another, 64 prompt and 128 output tokens (batch 1);
+- long: 32 requests of 320 prompt and 64 output tokens, Poisson arrivals at 1 request/s, at most 8 in
+  flight (each new prompt stalls the running streams: the inter-token latency's tail).
 Then batch-1 decoding outside any server, in this process: ladder's `Engine` (what `ladder generate`
 runs) and transformers' `generate` on the same folder, 64 prompt and 128 new tokens.
 
     .venv/bin/python experiments/serving_peer.py [--dtypes float32,bfloat16] [--rounds 1] [--llama-server PATH]
+    .venv/bin/python experiments/serving_peer.py --dtypes float32 --ladder-variant "--max-prefill-while-decoding 0"
     .venv/bin/python experiments/serving_peer.py --batch-one-only --rounds 5   # batch-1 decoding only, in turns
 
-Writes results/serve/peer.jsonl (every run; a run of some dtypes replaces only their rows) and
-results/serve/peer.md (the table); with --batch-one-only,
-results/serve/batch-one-decoding.{jsonl,md}.
+One table per CPU kind (`ladder.bench.records.cpu_kind`: AVX-512 BF16 or AVX2; the two rank the servers
+and dtypes differently): results/serve/peer/<kind>.jsonl (every run; a run of some dtypes replaces only
+their rows) and results/serve/peer/<kind>.md (the table, with the CPU's flags); with --batch-one-only,
+results/serve/batch-one-decoding.{jsonl,md}. `--ladder-variant FLAGS` (repeatable) serves ladder with
+these flags too, a server more in the same run; `--no-vllm` leaves vLLM out (a check of ladder alone).
 """
 
 import argparse
@@ -35,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ladder.bench.records import cpu_kind
 from ladder.bench.serve_load import StartedServer, free_port
 from ladder.checkpoint.hf import save_hf
 from ladder.checkpoint.resolve import open_checkpoint
@@ -44,6 +50,7 @@ from ladder.model.weights import export_hf_state_dict
 from ladder.runtime.engine import Engine
 
 OUT = Path("results/serve")
+PEER = OUT / "peer" / cpu_kind()  # .jsonl and .md
 FOLDER = Path("runs/peer-smollm2")  # git-ignored
 MODEL = "smollm2-135m-instruct"
 SLOTS, CONTEXT = 8, 512
@@ -51,8 +58,9 @@ LOADS = {  # name: bench serve's load options
     "burst": "--dataset fixed --prompt-len 64 --output-len 64 --num-requests 32 --request-rates inf",
     "shakespeare": "--dataset shakespeare --prompt-len 128 --output-len 64 --num-requests 32 --request-rates 2,4",
     "single": "--dataset fixed --prompt-len 64 --output-len 128 --num-requests 8 --request-rates inf",
+    "long": "--dataset fixed --prompt-len 320 --output-len 64 --num-requests 32 --request-rates 1",
 }
-CONCURRENCY = {"burst": SLOTS, "shakespeare": SLOTS, "single": 1}
+CONCURRENCY = {"burst": SLOTS, "shakespeare": SLOTS, "single": 1, "long": SLOTS}
 
 
 def write_folder() -> Path:
@@ -60,11 +68,14 @@ def write_folder() -> Path:
     return save_hf(FOLDER, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer, force=True)
 
 
-def servers(dtype: str, llama_server: str | None) -> dict[str, StartedServer]:
+def servers(dtype: str, llama_server: str | None, ladder_variants: list[str], vllm: bool) -> dict[str, StartedServer]:
     found = {}
-    port = free_port()
-    found[f"ladder serve ({dtype})"] = StartedServer.ladder(
-        f"--model {FOLDER} --dtype {dtype} --max-batch {SLOTS} --max-model-len {CONTEXT}", port)
+    for flags in ["", *ladder_variants]:
+        port = free_port()
+        found[f"ladder serve ({dtype}){' ' + flags if flags else ''}"] = StartedServer.ladder(
+            f"--model {FOLDER} --dtype {dtype} --max-batch {SLOTS} --max-model-len {CONTEXT} {flags}", port)
+    if not vllm:
+        return found
     port = free_port()
     found[f"vLLM 0.32 CPU ({dtype})"] = StartedServer(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(FOLDER), "--port", str(port),
@@ -79,12 +90,13 @@ def servers(dtype: str, llama_server: str | None) -> dict[str, StartedServer]:
     return found
 
 
-def measure(label: str, server: StartedServer, round_: int) -> None:
+def measure(label: str, server: StartedServer, round_: int, loads: list[str]) -> None:
     with server:
-        for load, options in LOADS.items():
+        for load in loads:
+            options = LOADS[load]
             command = [sys.executable, "-m", "ladder", "bench", "serve", "--url", server.url, "--label",
                        f"{label} | {load}", "--max-concurrency", str(CONCURRENCY[load]), "--seed", str(round_),
-                       "--out", str(OUT / "peer.jsonl"), *options.split()]
+                       "--out", str(PEER.with_suffix(".jsonl")), *options.split()]
             if subprocess.run(command, text=True).returncode != 0:
                 raise SystemExit(f"bench serve against {label} failed")
 
@@ -137,8 +149,10 @@ def batch_one_in_turns(dtypes: list[str], rounds: int) -> None:
     print("\n".join(lines))
 
 
-def summary() -> None:
-    rows = [json.loads(line) for line in (OUT / "peer.jsonl").read_text().splitlines()]
+def summary(peer: Path = PEER) -> None:
+    """The table of one CPU kind's file (`peer`: its path without suffix)."""
+    rows = [json.loads(line) for line in peer.with_suffix(".jsonl").read_text().splitlines()]
+    flags = next((r["env"]["cpu_flags"] for r in rows if "cpu_flags" in r.get("env", {})), None)
     runs: dict[tuple[str, str, float], list[dict]] = {}
     for r in rows:
         if "decode_tokens_per_s" in r:
@@ -146,30 +160,36 @@ def summary() -> None:
         server, load = r["label"].split(" | ")
         runs.setdefault((load, server, r["request_rate"]), []).append(r)
     med = lambda rs, f: statistics.median(f(r) for r in rs)  # noqa: E731 (the median over rounds)
-    lines = ["| load | server | rate (req/s) | output tok/s | ITL mean (ms) | ITL p99 | TTFT p50 (ms) | E2E p50 (ms) | "
-             "output tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"# ladder serve beside vLLM's CPU build: {peer.name}", "",
+             "| load | server | rate (req/s) | output tok/s | ITL mean (ms) | ITL p50 | ITL p90 | ITL p99 | TTFT p50 (ms) | "
+             "E2E p50 (ms) | output tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (load, server, rate), rs in sorted(runs.items(), key=lambda kv: (list(LOADS).index(kv[0][0]), kv[0][2],
                                                                           kv[0][1])):
+        itl = lambda q: med(rs, lambda r: r["itl_ms"][q])  # noqa: E731
         lines.append(f"| {load} | {server} | {rate:g} | {med(rs, lambda r: r['output_throughput']):.1f} | "
-                     f"{med(rs, lambda r: r['itl_ms']['mean']):.1f} | {med(rs, lambda r: r['itl_ms']['p99']):.1f} | "
+                     f"{itl('mean'):.1f} | {itl('p50'):.1f} | {itl('p90'):.1f} | {itl('p99'):.1f} | "
                      f"{med(rs, lambda r: r['ttft_ms']['p50']):.0f} | {med(rs, lambda r: r['e2e_ms']['p50']):.0f} | "
                      f"{med(rs, lambda r: r['total_output_tokens']):.0f} |")
     decoding: dict[str, list[float]] = {}
     for r in rows:
         if "decode_tokens_per_s" in r:
             decoding.setdefault(r["label"], []).append(r["decode_tokens_per_s"])
-    lines += ["", "| batch-1 decoding, no server | decode tok/s |", "|---|---|"]
-    lines += [f"| {label} | {statistics.median(v):.1f} |" for label, v in decoding.items()]
-    lines += ["", f"Medians of {max(len(v) for v in decoding.values())} round(s). Loads: " +
-              "; ".join(f"{name}: `{options}`, at most {CONCURRENCY[name]} in flight" for name, options in LOADS.items()) +
-              f". {torch.get_num_threads()} threads. Written by experiments/serving_peer.py."]
-    (OUT / "peer.md").write_text("\n".join(lines) + "\n")
+    if decoding:
+        lines += ["", "| batch-1 decoding, no server | decode tok/s |", "|---|---|"]
+        lines += [f"| {label} | {statistics.median(v):.1f} |" for label, v in decoding.items()]
+    rounds = max(len(v) for v in [*decoding.values(), *runs.values()])
+    lines += ["", f"Medians of {rounds} round(s). Loads: " +
+              "; ".join(f"{name}: `{options}`, at most {CONCURRENCY[name]} in flight" for name, options in LOADS.items()
+                        if any(load == name for load, _, _ in runs)) +
+              f". {rows[0]['env']['cpu_count']} cores; CPU flags: {' '.join(flags) if flags else 'not recorded'}. "
+              "Written by experiments/serving_peer.py."]
+    peer.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 def keep_other_dtypes(dtypes: list[str]) -> None:
     """Drop peer.jsonl's rows of the dtypes about to be measured again; the other dtypes' rows stay."""
-    path = OUT / "peer.jsonl"
+    path = PEER.with_suffix(".jsonl")
     if path.exists():
         measured_again = tuple(f"({dtype})" for dtype in dtypes)
         rows = [line for line, label in ((line, json.loads(line)["label"]) for line in path.read_text().splitlines())
@@ -182,21 +202,27 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (optional)")
-    parser.add_argument("--summary-only", action="store_true", help="rewrite peer.md from peer.jsonl")
+    parser.add_argument("--ladder-variant", action="append", default=[], help="ladder serve with these flags too")
+    parser.add_argument("--no-vllm", action="store_true", help="ladder's servers only")
+    parser.add_argument("--loads", default=",".join(LOADS), help="these loads only")
+    parser.add_argument("--no-batch-one", action="store_true", help="leave out the batch-1 decoding")
+    parser.add_argument("--summary-only", action="store_true", help="rewrite this CPU kind's table from its .jsonl")
     parser.add_argument("--batch-one-only", action="store_true",
                         help="only ladder's and transformers' batch-1 decoding, in turns (batch-one-decoding.md)")
     args = parser.parse_args()
     if args.batch_one_only:
         return batch_one_in_turns(args.dtypes.split(","), args.rounds)
     if not args.summary_only:
-        OUT.mkdir(parents=True, exist_ok=True)
+        PEER.parent.mkdir(parents=True, exist_ok=True)
         keep_other_dtypes(args.dtypes.split(","))
         write_folder()
         for round_ in range(args.rounds):
             for dtype in args.dtypes.split(","):
-                for label, server in servers(dtype, args.llama_server).items():
-                    measure(label, server, round_)
-                with open(OUT / "peer.jsonl", "a") as out:
+                for label, server in servers(dtype, args.llama_server, args.ladder_variant, not args.no_vllm).items():
+                    measure(label, server, round_, args.loads.split(","))
+                if args.no_batch_one:
+                    continue
+                with open(PEER.with_suffix(".jsonl"), "a") as out:
                     for row in batch_one_decoding(dtype):
                         out.write(json.dumps({**row, "round": round_}) + "\n")
         shutil.rmtree(FOLDER, ignore_errors=True)

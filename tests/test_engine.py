@@ -12,7 +12,7 @@ from ladder.model.weights import random_model
 from ladder.options import CPU_GEMM_TEMPLATES, DECODE_ATTENTION, INDUCTOR_OPTIONS, DecodeStep, RuntimeOptions
 from ladder.runtime import compile as compile_module
 from ladder.runtime.compile import INDUCTOR_CACHE_DIR, uses_gemm_templates, weights_digest
-from ladder.runtime.engine import Engine, PrefillChunk
+from ladder.runtime.engine import Engine
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.runtime.step_clock import StepClock
 
@@ -217,36 +217,6 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
         assert compiled.generate(PROMPT, 6).tokens == eager
         assert compiled.generate(PROMPT, 6).tokens == eager
     assert counters["stats"]["unique_graphs"] == (2 if layout == "parallel" else 3)  # attention, MLP; the head
-
-
-def test_a_servers_compiled_layers_compile_once_a_batch_size_not_once_a_cache_length():
-    """A server's decode step runs at every padded batch size and cache length (`reserve(padded=True)`);
-    with --compile-layers the cache length is dynamic: the attention step compiles twice a batch size (below
-    the whole cache, and the whole cache), the MLP step and the head once, and each length decodes as eager."""
-    from torch._dynamo.utils import counters
-
-    model = make_model(tiny(layout="ladder", n_layers=2, ladder_layers=1, max_seq_len=256))
-    prompts = torch.randint(0, 100, (2, 200), generator=torch.Generator().manual_seed(0))
-
-    def decode_at_each_length(engine: Engine) -> list[torch.Tensor]:
-        engine.reserve(2, 256, padded=True)
-        engine.warm_up()
-        logits = []
-        with torch.inference_mode():
-            for batch, length in ((1, 10), (2, 100), (2, 200), (1, 254)):
-                engine.prefill([PrefillChunk(row, prompts[row, :length].tolist(), 0) for row in range(batch)])
-                logits.append(engine.decode(list(range(batch)), [length] * batch))
-        return logits
-
-    eager = decode_at_each_length(Engine(model))
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = Engine(model, DecodeStep.COMPILED_LAYERS)
-    logits = decode_at_each_length(compiled)
-    assert len(compiled.shapes) == 2 * 3  # batches 1, 2; cache lengths 64, 128, 256
-    assert counters["stats"]["unique_graphs"] == 2 * (2 + 1 + 1)
-    for a, b in zip(logits, eager):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel, traces", [("sdpa", set()), ("products", {"decode_attention"}),

@@ -36,10 +36,12 @@ def server_engine(model, max_batch, max_seq, step=DecodeStep.EAGER):
     return engine
 
 
-def run_requests(model, requests, max_batch=4, token_budget=6, cancel_after=None, engine=None):
+def run_requests(model, requests, max_batch=4, token_budget=6, cancel_after=None, engine=None,
+                 max_prefill_while_decoding=None):
     """Submit every (prompt, params) at once, run the scheduler until all finish; each one's outputs."""
     engine = engine or server_engine(model, max_batch, 96)
-    scheduler = Scheduler(engine, None, ServerMetrics("tiny"), 64, token_budget)
+    scheduler = Scheduler(engine, None, ServerMetrics("tiny"), 64, token_budget,
+                          max_prefill_while_decoding=max_prefill_while_decoding)
     outputs = [[] for _ in requests]
     done = threading.Semaphore(0)
 
@@ -100,6 +102,27 @@ def test_a_burst_prefills_together_within_the_token_budget_and_each_gets_its_tok
         assert ids(outputs) == Engine(model).generate(torch.tensor([prompt]), 6).tokens[0]
 
 
+def test_while_requests_decode_a_step_prefills_at_most_its_cap_and_the_whole_budget_when_none_do(monkeypatch):
+    """--max-prefill-while-decoding: a step that decodes carries at most that many prompt tokens (each
+    running stream waits for them); a step with nobody decoding fills the token budget. Tokens as alone."""
+    model = make_model(tiny(layout="ladder", ladder_layers=2))
+    prompts = [list(range(1, 13)), list(range(20, 27)), list(range(30, 50))]
+    plans = []
+    monkeypatch.setattr(scheduler_module, "run_plan", lambda engine, plan: plans.append(plan) or run_plan(engine, plan))
+    outputs, _ = run_requests(model, [(prompts[0], greedy(8))], max_batch=3, token_budget=16,
+                              max_prefill_while_decoding=3)
+    assert [len(c.tokens) for c in plans[0].prefill] == [12]  # nobody decodes yet: the budget
+    plans.clear()
+    together, _ = run_requests(model, [(p, greedy(8)) for p in prompts], max_batch=3, token_budget=16,
+                               max_prefill_while_decoding=3)
+    assert [len(c.tokens) for c in plans[0].prefill] == [12, 4]  # nobody decodes yet: the budget
+    decoding = [p for p in plans if p.decode_tokens]
+    assert all(sum(len(c.tokens) for c in p.prefill) <= 3 for p in decoding)
+    assert sum(len(c.tokens) for p in decoding for c in p.prefill) == 7 + 20 - 4
+    for prompt, out in zip(prompts, together):
+        assert ids(out) == Engine(model).generate(torch.tensor([prompt]), 8).tokens[0]
+
+
 def test_seeded_sampling_repeats_and_a_cancelled_request_frees_its_row():
     model = make_model(tiny())
     sampled = GenerationParams(max_tokens=20, sampling=SamplingParams(temperature=1.0, top_k=50), seed=7)
@@ -133,8 +156,9 @@ def test_the_ladder_overlap_holds_in_the_servers_decode_step():
 
 def test_compiled_layers_at_padded_shapes_give_every_request_its_eager_tokens():
     """Three requests decode padded to four rows while a fourth prefills in row 3: the padding row's
-    writes (at the cache's last position) must not reach it. Every shape compiles in the warm-up, more
-    than dynamo's default recompile limit (8) allows, and none after it."""
+    writes (at the cache's last position) must not reach it. Every shape compiles in the warm-up, and none
+    after it; the cache length is dynamic: the attention step compiles twice a batch size (below the whole
+    cache, and the whole cache), not once a shape."""
     from torch._dynamo.utils import counters
 
     model = make_model(tiny(layout="ladder", ladder_layers=2, max_seq_len=256))
@@ -146,10 +170,10 @@ def test_compiled_layers_at_padded_shapes_give_every_request_its_eager_tokens():
     engine = server_engine(model, 4, 256, DecodeStep.COMPILED_LAYERS)
     assert engine.shapes == [(b, kv) for b in (1, 2, 4) for kv in (64, 128, 256)]
     engine.warm_up()
-    assert counters["stats"]["unique_graphs"] == 9 + 3 + 3  # attention: one per shape; MLP and head: one per batch
+    assert counters["stats"]["unique_graphs"] == 6 + 3 + 3  # attention: two per batch; MLP and head: one per batch
     compiled, _ = run_requests(model, requests, engine=engine)
     assert [ids(o) for o in compiled] == [ids(o) for o in eager]
-    assert counters["stats"]["unique_graphs"] == 9 + 3 + 3
+    assert counters["stats"]["unique_graphs"] == 6 + 3 + 3
 
 
 @pytest.mark.parametrize("layout, in_flight", [("standard", [1] * 8), ("ladder", [2] * 7 + [1])])

@@ -21,6 +21,7 @@ from ladder.bench.spec import BenchPoint
 from ladder.bench.summary import read_bench_records
 from ladder.errors import LadderError, check_creatable
 from ladder.files import append_line
+from ladder.model.config import cpu_computes_in_bf16
 from ladder.options import MEASURED, DecodeStep, environment_value
 
 SCHEMA_VERSION = 1
@@ -45,7 +46,24 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
+    else:
+        env["cpu_kind"], env["cpu_flags"] = cpu_kind(), cpu_vector_flags()
     return env
+
+
+def cpu_kind() -> str:
+    """These machines' two kinds of CPU, whose fast paths differ: with bf16 arithmetic (AVX-512 BF16 or AMX)
+    or without (AVX2). Results that depend on it keep a file per kind."""
+    return "avx512-bf16" if cpu_computes_in_bf16() else "avx2"
+
+
+def cpu_vector_flags() -> list[str]:
+    """The CPU's vector and matrix flags (avx*, amx*, fma), from /proc/cpuinfo; [] where it has none."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx")) or f == "fma")
 
 
 def git_commit(package_dir: Path = Path(__file__).parent.parent) -> str | None:

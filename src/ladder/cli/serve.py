@@ -23,7 +23,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = model_spec(args)
     config = spec.validate()
     for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-num-batched-tokens", args.max_num_batched_tokens, args.max_batch),
-                               ("--max-waiting", args.max_waiting, 0), ("--max-model-len", args.max_model_len or 2, 2)):
+                               ("--max-waiting", args.max_waiting, 0), ("--max-model-len", args.max_model_len or 2, 2),
+                               ("--max-prefill-while-decoding", args.max_prefill_while_decoding, 0)):
         if value < least:
             raise LadderError(f"{flag} must be >= {least}, got {value}")
     if config is not None and args.max_model_len:
@@ -38,7 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(spec, name, args.host, args.port, args.max_batch, args.max_model_len, args.max_waiting,
                              args.max_num_batched_tokens, args.shutdown_timeout, args.interconnect, args.link_scale, step,
                              api_key=args.api_key or environment_value(API_KEY) or None,
-                             kv_cache_memory=args.kv_cache_memory)
+                             kv_cache_memory=args.kv_cache_memory,
+                             max_prefill_while_decoding=args.max_prefill_while_decoding)
     emulated = args.interconnect is not None
     try:
         launch(serve_on_rank, 1 if emulated else spec.tp, settings, device=spec.device, workers_catch_interrupt=True)
@@ -68,6 +70,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="queued requests beyond which new ones get 503")
     g.add_argument("--max-num-batched-tokens", type=int, default=ServeSettings.max_num_batched_tokens,
                    help="tokens a step computes: one per running request, the rest prompt chunks (as in vLLM)")
+    g.add_argument("--max-prefill-while-decoding", type=int, default=ServeSettings.max_prefill_while_decoding,
+                   help="prompt tokens a step carries while other requests decode: each running stream waits for "
+                   "them (the inter-token latency's tail); 0: the budget's rest (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=ServeSettings.shutdown_timeout_s,
                    help="seconds requests in flight get to finish after SIGTERM or Ctrl-C")
     g.add_argument("--interconnect", help="an emulated link (one process, rank 0's shard of --tp ranks)")

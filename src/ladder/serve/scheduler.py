@@ -134,13 +134,15 @@ class Scheduler:
     """Plans the steps of `engine`, whose cache rows (`Engine.reserve`, padded) are the batch's bound."""
 
     def __init__(self, engine: Engine, tokenizer: TextTokenizer | None, metrics: ServerMetrics, max_waiting: int,
-                 max_num_batched_tokens: int, group: dist.ProcessGroup | None = None, world_size: int = 1) -> None:
+                 max_num_batched_tokens: int, group: dist.ProcessGroup | None = None, world_size: int = 1,
+                 max_prefill_while_decoding: int | None = None) -> None:
         max_batch = engine.max_batch
         if max_num_batched_tokens < max_batch:
             raise LadderError(f"--max-num-batched-tokens {max_num_batched_tokens} is below --max-batch {max_batch}: "
                               "a step must hold one token of every running request")
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
         self.max_batch, self.max_waiting, self.token_budget = max_batch, max_waiting, max_num_batched_tokens
+        self.max_prefill_while_decoding = max_prefill_while_decoding
         self.group, self.world_size = group, world_size
         self.eos_ids = frozenset(tokenizer.stop_ids) if tokenizer is not None else frozenset()
         self.waiting: deque[Sequence] = deque()
@@ -232,6 +234,8 @@ class Scheduler:
             plan.decode_tokens.append(s.generated[-1])
             plan.decode_positions.append(s.cached)
         budget = self.token_budget - len(self.running)
+        if self.running and self.max_prefill_while_decoding:  # the running streams wait for this step's prefill
+            budget = min(budget, self.max_prefill_while_decoding)
         for s in self.prefilling:  # oldest first: a request gets tokens only once the ones before it are all in
             if budget <= 0:
                 break

@@ -60,6 +60,7 @@ class ServeSettings:
     decode_step: DecodeStep = DecodeStep.EAGER  # compiled or CUDA-graphed: fixed shapes, made at start-up
     kv_cache_memory: str = "0.15"  # the KV cache's budget: a fraction of the memory available, or a size
     api_key: str | None = field(default=None, repr=False)  # required on /v1/* when set; never printed
+    max_prefill_while_decoding: int = 0  # prompt tokens a step carries while requests decode (0: the budget's rest)
 
 
 def serve_on_rank(settings: ServeSettings) -> None:
@@ -205,7 +206,7 @@ def _engine(settings: ServeSettings, ctx: DistContext | None, state: ServerState
         state.tokenizer = loaded.tokenizer
         state.metrics.kv_cache_bytes.set(engine.cache_bytes)
         state.scheduler = Scheduler(engine, loaded.tokenizer, state.metrics, settings.max_waiting,
-                                    settings.max_num_batched_tokens, None, world)
+                                    settings.max_num_batched_tokens, None, world, settings.max_prefill_while_decoding)
         say(f"ladder: serving {settings.name!r} on http://{settings.host}:{settings.port} (max batch "
             f"{engine.max_batch}, context {engine.max_seq})")
         state.scheduler.run()
