@@ -7,7 +7,7 @@ first token printed, and the decode rate after the compile; for `ladder serve`, 
 
     .venv/bin/python experiments/compile_cache.py
 
-Writes results/compile_cache.{jsonl,md}.
+Writes results/compile_cache.{jsonl,md} (`--cases`: replaces only those cases' records).
 """
 
 import argparse
@@ -113,7 +113,11 @@ def main() -> None:
     kind = "AVX-512 BF16 or AMX" if cpu_computes_in_bf16() else "no bf16 arithmetic (AVX2)"
     meta = {"model": MODEL, "cpu_kind": kind, "cores": os.cpu_count(), "env": environment(torch.device("cpu"))}
     out = Path(args.out)
-    out.write_text("".join(json.dumps({**r, **meta}) + "\n" for r in records))
+    ran = {r["case"] for r in records}  # a run of some cases replaces only their records
+    kept = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    records = [r for r in kept if r["case"] not in ran and r["case"] in CASES] + [{**r, **meta} for r in records]
+    records.sort(key=lambda r: list(CASES).index(r["case"]))
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
     lines = ["| case | compile s, empty cache / again | first token (or ready) s, empty / again | decode tok/s "
              "| cache MiB |", "|---|---|---|---|---|"]
     for r in records:

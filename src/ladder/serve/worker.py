@@ -53,7 +53,7 @@ class ServeSettings:
     max_batch: int = 8
     max_model_len: int | None = None  # default: what fits the KV-cache budget, up to the model's max_seq_len
     max_waiting: int = 256
-    max_num_batched_tokens: int = 256  # one token per running request, the rest prompt chunks
+    max_num_batched_tokens: int = 2048  # one token per running request, the rest prompt chunks (vLLM's CPU default)
     shutdown_timeout_s: float = 10.0
     interconnect: str | None = None  # an emulated link: one process, rank 0's shard
     link_scale: float = 1.0
