@@ -218,7 +218,6 @@ class Block(nn.Module):
     `Transformer.forward`."""
 
     STEPS = ("attention_step", "mlp_step", "parallel_step")  # what `Transformer.compile_layers` compiles
-    ATTENDING_STEPS = ("attention_step", "parallel_step")  # those that read the KV cache
 
     def __init__(self, config: ModelConfig, shard: ShardShape) -> None:
         super().__init__()
@@ -356,23 +355,19 @@ class Transformer(nn.Module):
         """Regional compilation, in place (an engine compiles its own view: `view`): torch.compile each layer's steps (residual add + norm +
         attention and residual add + norm + MLP, or parallel's pair under one norm), not the whole forward.
         Every layer runs the same code with its own weights as inputs, so all layers reuse one compiled
-        graph per step and input shape: compiling 80 layers costs what compiling one does, where a
-        compiled forward grows with the layers (minutes for a 70B shard). The all-reduces and their waits
-        between steps stay eager, so every layout keeps its eager schedule: ladder's all-reduces overlap
-        the next step as they do uncompiled. The final norm and head are compiled too: an int8 head runs torchao's int8
-        kernel only compiled (eager, it casts the whole table to the activations' dtype every call).
-        A prefill, of many lengths, runs on another view that is not compiled.
-        The cache length a step attends to is a dynamic dimension (`_layers` marks the mask's), so a
-        server's attention step compiles twice a batch size (below the whole cache, and the whole cache,
-        whose keys are contiguous), not once for each cache length: a second start, which reads every graph
-        back from torch's cache, still traces each again (32 shapes took 7.7 s of 17)."""
+        graph per step and input shape: compiling 80 layers costs what compiling one does (a compiled
+        forward grows with the layers). The all-reduces and their waits stay eager, so every layout keeps
+        its eager schedule: ladder's all-reduces overlap the next step. The final norm and head are compiled
+        too: an int8 head runs torchao's int8 kernel only compiled (eager, it casts the whole table).
+        A prefill, of many lengths, runs on another view that is not compiled. The cache length is dynamic
+        (`_layers` marks the mask's): attention compiles twice a batch size (below the whole cache, and
+        the whole cache), not once a cache length, which a second start would trace again (docs/compile.md)."""
         options = dict(inductor_options or {}) or None
         for layer in self.layers:
             for name in Block.STEPS:
                 step = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
-                # The MLP step has no cache length: each batch size its own static graph, as the head's.
-                setattr(layer, name, torch.compile(step, fullgraph=True, dynamic=None if name in Block.ATTENDING_STEPS
-                                                   else False, options=options))
+                dynamic = None if name in ("attention_step", "parallel_step") else False  # MLP: static, as the head
+                setattr(layer, name, torch.compile(step, fullgraph=True, dynamic=dynamic, options=options))
         self.head = torch.compile(Transformer.head.__get__(self), fullgraph=True, dynamic=False, options=options)
         self.layers_compiled = True
 
@@ -397,8 +392,7 @@ class Transformer(nn.Module):
         row's), or None for a cache-free causal forward. The rows are KV-cache rows `rows` (default: the
         first B), and attend to the first `kv_len` cache positions only (continuous batching, `ladder.serve`).
         `last_only`: logits of the last position only, (B, 1, vocab), all that sampling needs after a
-        prefill (the head over every prompt position would cost batch x prompt x vocab x dim x 2 FLOPs
-        and as many logits in memory: 17 GB for Llama-3 at batch 64, prompt 1024, bf16).
+        prefill (every position's: 17 GB for Llama-3 at batch 64, prompt 1024, bf16).
         `resume_from`: a cache-free forward of these tokens from the stream where it enters a later layer
         (`stream_before`), instead of from the embedding."""
         if resume_from is not None:
@@ -431,8 +425,8 @@ class Transformer(nn.Module):
             rope = self.cached_rope(positions, r.dtype)
             key_pos = torch.arange(kv_len or self.max_seq, device=tokens.device)
             mask = (key_pos <= positions[..., None])[:, None]  # (B, 1, T, S): a query sees keys up to its position
-            if self.layers_compiled:
-                torch._dynamo.maybe_mark_dynamic(mask, 3)  # one graph for every cache length (`compile_layers`)
+            if self.layers_compiled:  # one graph for every cache length (`compile_layers`)
+                torch._dynamo.maybe_mark_dynamic(mask, 3)
         layout = self.config.layout
         if layout == "parallel":
             return self._parallel_layers(r, rope, input_pos, mask, rows)
@@ -449,16 +443,13 @@ class Transformer(nn.Module):
             raise LadderError(f"stream_before: layer {layer} is not in 1..{self.config.n_layers}")
         r = self.tok_embeddings(tokens)
         modules = self._residual_modules(self._cache_free_rope(tokens, r.dtype), None, None, None, end=layer)
-        n_modules = 2 * self.config.n_layers
-        r, (last,) = ladder_residual(r, modules, self.comm,
-                                     2 * self.config.first_ladder_layer, n_modules, nothing=torch.zeros_like(r),
-                                     hand_on=1)
+        r, (last,) = ladder_residual(r, modules, self.comm, 2 * self.config.first_ladder_layer,
+                                     2 * self.config.n_layers, nothing=torch.zeros_like(r), hand_on=1)
         return PartialStream(layer, r, last.wait())
 
     def _cache_free_rope(self, tokens: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of positions 0..T-1 for every row of tokens (B, T)."""
-        B, T = tokens.shape
-        return self.rope(torch.arange(T, device=tokens.device).expand(B, T), dtype)
+        return self.rope(torch.arange(tokens.shape[1], device=tokens.device).expand(*tokens.shape), dtype)
 
     def head(self, r: torch.Tensor) -> torch.Tensor:
         """The final norm and the output head: logits (B, T, vocab on this rank) of the stream r (B, T, dim)."""
