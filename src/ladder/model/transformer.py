@@ -14,7 +14,6 @@ communicator it is built with and never mutates the config.
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 import math
 from collections.abc import Mapping
