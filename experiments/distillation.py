@@ -7,7 +7,10 @@ from the speed of a few steps measured first), by one of two recipes:
   converted layer, on the teacher's own answers to 1,024 built-in prompts and the Shakespeare training
   plays, half and half (`ladder train teacher=original ...`), bf16 autocast;
 - ce: the recipe before distillation (docs/training.md), cross-entropy on the Shakespeare training plays,
-  for the same minutes.
+  for the same minutes;
+- calibrate: the distill recipe's start alone, its first `--calibrate-tokens` (default 16,384) fitted in
+  closed form (`ladder.train.calibrate`), no training step. `--calibrate-tokens N` on distill starts it
+  there (its minutes count the calibration; `--tag calibrated` names that recipe).
 Each is measured against the ORIGINAL model on text no training step saw (three held-out plays, and
 Python's documentation prose): perplexity, greedy next-token agreement and mean KL, and the greedy chat
 answers to 24 prompts that are not among the training prompts. Beside each N: the speedup `ladder
@@ -16,6 +19,9 @@ without P2P.
 
     .venv/bin/python experiments/distillation.py --recipes distill,ce --ladder-layers 8,15
     .venv/bin/python experiments/distillation.py --recipes distill --ladder-layers 4,12,20,30
+    .venv/bin/python experiments/distillation.py --recipes calibrate --ladder-layers 4,8,12,15,20,30
+    .venv/bin/python experiments/distillation.py --recipes distill --ladder-layers 8 --calibrate-tokens 16384 \
+        --lr 1.5e-4 --steps 540 --tag calibrated         # (540: the steps 28 minutes held at N=8)
     .venv/bin/python experiments/distillation.py --lm-eval       # lm-eval's offline tasks on every run's model
     .venv/bin/python experiments/distillation.py --report        # the table and picture from the results
 
@@ -25,6 +31,7 @@ into each run's folder.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -57,17 +64,23 @@ TARGETS = {8: (0.03, 0.90), 15: (0.08, 0.85)}  # N: (perplexity within, agreemen
 DOMAINS = {"shakespeare held-out": lambda: shakespeare_text("heldout"), "python docs": python_docs_text}
 LLAMA_70B_LAYERS = 80
 SWEEP = (0, 4, 8, 12, 15, 20, 30)  # the N of "which N to pick"
+FRONT_SERIES = {"calibrate": "calibrated, no training", "distill": "distilled (28 min)",
+                "distill-calibrated": "calibrated, then distilled (28 min)"}  # recipe: its label in "which N"
+CALIBRATION_S = 75  # per 16,384 tokens on these two cores (68 s measured): planned out of the budget
 
 
 def recipe_config(recipe: str, n: int, steps: int, args: argparse.Namespace, out_dir: Path) -> TrainConfig:
     common = dict(preset=None, model=MODEL, layout="ladder", ladder_layers=n, trainable="converted" if n else "all",
                   heldout=[], steps=steps, warmup_steps=10, checkpoint_every=50, keep_checkpoints=1,
                   out_dir=str(out_dir), device="cpu")
+    if recipe == "calibrate":  # the distill recipe's start: its first tokens fitted in closed form, no step
+        config = recipe_config("distill", n, steps, args, out_dir)
+        return dataclasses.replace(config, steps=0, calibrate_tokens=args.calibrate_tokens or 16384)
     if recipe == "distill":
         return TrainConfig(**common, teacher=ORIGINAL, hidden_weight=args.hidden_weight, lr=args.lr,
                            min_lr=args.lr / 10, data=["answers:builtin", "shakespeare:train"], data_weights=[1.0, 1.0],
                            seq_len=args.seq_len, batch_size=args.batch_size, micro_batch_size=args.batch_size // 2,
-                           precision="bf16", weight_decay=0.0)
+                           precision="bf16", weight_decay=0.0, calibrate_tokens=args.calibrate_tokens)
     if recipe == "ce":  # docs/training.md's adaptation before distillation (experiments/adaptation.py)
         return TrainConfig(**common, lr=2e-4, min_lr=2e-5, data=["shakespeare:train"], seq_len=128, batch_size=8,
                            micro_batch_size=4)
@@ -77,6 +90,8 @@ def recipe_config(recipe: str, n: int, steps: int, args: argparse.Namespace, out
 def steps_for(recipe: str, n: int, args: argparse.Namespace) -> tuple[int, float]:
     """The steps that fit `--minutes` (or `--steps`), from the tokens/s of a few steps run first (the
     first two, which warm up, not counted); and that speed."""
+    if recipe == "calibrate":
+        return 0, 0.0
     if args.steps:
         return args.steps, 0.0
     probe = Path(args.runs_dir) / f"probe-{recipe}-n{n}"
@@ -84,12 +99,13 @@ def steps_for(recipe: str, n: int, args: argparse.Namespace) -> tuple[int, float
     probe.mkdir(parents=True)
     if recipe == "distill":
         shutil.copy(Path(args.runs_dir) / "answers" / ANSWERS_FILE, probe / ANSWERS_FILE)
-    config = recipe_config(recipe, n, 6, args, probe)
+    config = dataclasses.replace(recipe_config(recipe, n, 6, args, probe), calibrate_tokens=0)
     train(config, progress=False)
     rows = [json.loads(line) for line in (probe / "metrics.jsonl").read_text().splitlines()][2:]
     shutil.rmtree(probe)
     rate = sum(r["tokens_per_s"] for r in rows) / len(rows)
-    return int(args.minutes * 60 * rate / (config.batch_size * config.seq_len)), rate
+    seconds = args.minutes * 60 - CALIBRATION_S * args.calibrate_tokens / 16384 if recipe == "distill" else args.minutes * 60
+    return int(seconds * rate / (config.batch_size * config.seq_len)), rate
 
 
 def held_out(tokenizer, tokens: int) -> dict[str, list[int]]:
@@ -125,14 +141,17 @@ def write_answers(args: argparse.Namespace, tokenizer) -> tuple[Path, float]:
 
 
 def train_minutes(run: Path) -> tuple[float, int, float]:
-    """Minutes the optimizer steps took (from the run's own metrics, resumed runs included), tokens, and the
+    """Minutes the calibration and optimizer steps took (from the run's own records, resumed runs included), tokens, and the
     minutes of steps stopped from outside (SIGSTOP while the test suite had the cores: a step over ten
     times the median, counted beyond the median)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = run / "metrics.jsonl"  # none: calibrated only
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     seconds = [r["tokens"] / r["step"] / r["tokens_per_s"] for r in records]
-    typical = statistics.median(seconds)
+    typical = statistics.median(seconds) if seconds else 0.0
     stopped = sum(s - typical for s in seconds if s > 10 * typical)
-    return sum(seconds) / 60, records[-1]["tokens"], stopped / 60
+    calibration = run / "calibration.json"  # counted in the budget
+    calibrated = json.loads(calibration.read_text())["seconds"] if calibration.is_file() else 0.0
+    return (sum(seconds) + calibrated) / 60, records[-1]["tokens"] if records else 0, stopped / 60
 
 
 def predicted_speedups(n: int) -> dict[str, float]:
@@ -176,6 +195,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--hidden-weight", type=float, default=1.0)
+    parser.add_argument("--calibrate-tokens", type=int, default=0,
+                        help="distill: calibrate the converted modules' inputs on this many tokens first")
     parser.add_argument("--tag", help="a variant of the recipe (say, another --lr): recorded as RECIPE-TAG")
     parser.add_argument("--tokens", type=int, default=16384, help="held-out tokens per domain")
     parser.add_argument("--answer-tokens", type=int, default=48)
@@ -225,7 +246,7 @@ def run_all(args: argparse.Namespace, out: Path) -> None:
                 run.mkdir(parents=True, exist_ok=True)
                 planned.write_text(json.dumps({"steps": steps, "probed_tokens_per_s": probed}))
             config = recipe_config(recipe, n, json.loads(planned.read_text())["steps"], args, run)
-            if recipe == "distill":
+            if recipe in ("distill", "calibrate"):
                 run.mkdir(parents=True, exist_ok=True)
                 shutil.copy(answers, run / ANSWERS_FILE)
             before = converted_quality(n, records, original, tokenizer, texts)
@@ -233,7 +254,7 @@ def run_all(args: argparse.Namespace, out: Path) -> None:
             minutes, tokens, stopped = train_minutes(run)
             record = measure(run.name, name, n, load(str(result.final_dir)).model, original, tokenizer, texts, args)
             record.update(converted=before, train_minutes=minutes, paused_minutes=stopped,
-                          train_tokens=tokens, budget_minutes=None if args.steps else args.minutes, answers_minutes=answer_seconds / 60 if recipe == "distill" else None,
+                          train_tokens=tokens, budget_minutes=None if args.steps else args.minutes, answers_minutes=answer_seconds / 60 if recipe != "ce" else None,
                           settings={k: v for k, v in vars(config).items() if k not in ("out_dir", "device")})
             keep(record)
 
@@ -299,28 +320,24 @@ def write_report(records: list[dict], out: Path, args: argparse.Namespace) -> No
         cells = [f"{r['converted'][d]['perplexity']:.2f} ({r['converted'][d]['perplexity'] / r['converted'][d]['reference_perplexity'] - 1:+.1%}) | "
                  f"{r['converted'][d]['agreement']:.1%}" for d in domains]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    distill = [r for r in runs if r["recipe"] == "distill"]
-    if distill:
+    series = {label: {r["ladder_layers"]: r for r in runs if r["recipe"] == recipe}
+              for recipe, label in FRONT_SERIES.items()}
+    series = {label: by_n for label, by_n in series.items() if by_n}
+    if series:
         lines += ["", "## Which N: quality against the speedup on Llama-3-70B (TP 8, H100, batch 1, `ladder predict`)", "",
-                  "| N of 30 | Llama-3-70B layers | speedup NVLink | speedup PCIe no P2P | "
-                  + " | ".join(f"{d} perplexity vs original" for d in domains) + " | mean agreement | train tokens |",
-                  "|---|---|---|---|" + "---|" * len(domains) + "---|---|"]
-        measured = {r["ladder_layers"]: r for r in [original, *distill]}
-        for n in sorted(set(SWEEP) | set(measured)):
-            r = measured.get(n) or {"ladder_layers": n, **predicted_speedups(n)}
-            if n in measured:
-                q = r["quality"]
-                quality = " | ".join(f"{q[d]['perplexity'] / q[d]['reference_perplexity'] - 1:+.1%}" for d in domains)
-                quality += f" | {sum(q[d]['agreement'] for d in domains) / len(domains):.1%}"
-                quality += f" | {r['train_tokens']:,}" if r.get("train_tokens") else " | "
-            else:
-                quality = " | ".join(["not run yet"] * (len(domains) + 2))
-            lines.append(f"| {n} | {r['llama_70b_ladder_layers']} | {r['nvlink-h100']:.3f} | {r['pcie-no-p2p']:.3f} | "
-                         f"{quality} |")
+                  "Each cell: perplexity vs the original on " + " / ".join(domains) + ", and the mean greedy agreement.", "",
+                  "| N of 30 | Llama-3-70B layers | speedup NVLink | speedup PCIe no P2P | " + " | ".join(series) + " |",
+                  "|---|---|---|---|" + "---|" * len(series)]
+        for n in sorted(set(SWEEP) | {n for by_n in series.values() for n in by_n}):
+            speed = predicted_speedups(n)
+            cells = [front_cell(original if n == 0 else by_n.get(n), domains) for by_n in series.values()]
+            lines.append(f"| {n} | {speed['llama_70b_ladder_layers']} | {speed['nvlink-h100']:.3f} | "
+                         f"{speed['pcie-no-p2p']:.3f} | " + " | ".join(cells) + " |")
         picture = plot_quality_against_speed(
-            [pareto_point(r, domains) for r in [original, *distill]], out.with_suffix(".png"))
-        lines += ["", "Same recipe and minutes for every N; the runs that computed the frozen layers' stream once for "
-                  "teacher and student (`distill` N=4 and 8, from 102f339) fit more tokens in them.", "",
+            {label: [pareto_point(r, domains) for r in [original, *by_n.values()]] for label, by_n in series.items()},
+            out.with_suffix(".png"))
+        lines += ["", "Same recipe and minutes for every N of a series; the runs that computed the frozen layers' stream "
+                  "once for teacher and student (from 102f339) fit more tokens in them.", "",
                   f"![quality against speed]({picture.name})"]
     scored = [r for r in [original, *runs] if "lm_eval" in r]
     if scored:
@@ -356,7 +373,10 @@ def recipe_summary(settings: dict) -> str:
     data = " + ".join(f"{d} x{w:g}" for d, w in zip(settings["data"], settings.get("data_weights") or [1] * 9))
     loss = (f"KL at T={settings['temperature']:g}" + (f" + residual x{settings['hidden_weight']:g}"
             if settings.get("hidden_weight") else "") if settings.get("teacher") else "cross-entropy")
-    return (f"{loss}; {data}; lr {settings['lr']:g} -> {settings['min_lr']:g}, {settings['steps']} steps of "
+    if settings.get("calibrate_tokens") and not settings["steps"]:
+        return f"calibrated on the first {settings['calibrate_tokens']:,} tokens of {data}, no training step"
+    calibrated = f"calibrated on {settings['calibrate_tokens']:,} tokens, then " if settings.get("calibrate_tokens") else ""
+    return (f"{calibrated}{loss}; {data}; lr {settings['lr']:g} -> {settings['min_lr']:g}, {settings['steps']} steps of "
             f"{settings['batch_size']} x {settings['seq_len']} tokens, {settings['precision']}")
 
 
@@ -368,6 +388,14 @@ def target_verdict(r: dict, domains: list[str]) -> str:
     lowest = min(r["quality"][d]["agreement"] for d in domains)
     ok = worst <= within and lowest >= agree
     return f"{'met' if ok else 'missed'} (<= {within:.0%}, >= {agree:.0%})"
+
+
+def front_cell(r: dict | None, domains: list[str]) -> str:
+    if r is None:
+        return "not run"
+    q = r["quality"]
+    ratios = " / ".join(f"{q[d]['perplexity'] / q[d]['reference_perplexity'] - 1:+.1%}" for d in domains)
+    return f"{ratios}, {sum(q[d]['agreement'] for d in domains) / len(domains):.1%}"
 
 
 def pareto_point(r: dict, domains: list[str]) -> dict:

@@ -32,16 +32,17 @@ from tqdm import tqdm
 
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
-from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint, init_distributed,
+from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint, init_distributed, say,
                                      shutdown_distributed)
 from ladder.errors import LadderError, Stopped
-from ladder.files import append_line
+from ladder.files import append_line, write_text
 from ladder.model.spec import ModelSpec
 from ladder.model.transformer import Transformer
 from ladder.quant.quantize import quantize_shard
 from ladder.train.checkpoints import (check_out_dir_is_shared, checkpoint_dirs, load_latest_checkpoint,
                                       resume_optimizer, save_checkpoint)
 from ladder.train.answers import answer_texts, is_answers
+from ladder.train.calibrate import calibrate_stale_inputs, describe
 from ladder.train.data import Batches, pack, read_texts
 from ladder.train.distill import ORIGINAL, Objective, load_teacher, teacher_spec
 from ladder.train.lora import add_lora
@@ -173,12 +174,10 @@ class _Run:
         if config.seq_len > model.config.max_seq_len:
             raise LadderError(f"seq_len {config.seq_len} exceeds the model's context (max_seq_len "
                               f"{model.config.max_seq_len})")
-        choose_trainable(model, config)
         self.teacher, self.run_state = None, {}
-        if config.teacher is not None:
-            dtype = torch.bfloat16 if _computes_in_bf16(config, ctx.device) else torch.float32
+        if config.teacher is not None:  # in float32 until calibrated (below)
             spec = teacher_spec(config.teacher, config.model, config.device)
-            self.teacher, identity = load_teacher(spec, ctx.device, model, self.tokenizer, dtype)
+            self.teacher, identity = load_teacher(spec, ctx.device, model, self.tokenizer)
             self.run_state = {"teacher": identity}
         if not resume and checkpoint_dirs(self.out_dir):
             raise LadderError(f"{self.out_dir} already holds checkpoints: pass --resume to continue, or choose "
@@ -190,6 +189,11 @@ class _Run:
         # averaged gradient differently, and their replicas drift apart without an error.
         check_ranks_agree((dataclasses.asdict(config), resume, fingerprint(self.batches.sequences),
                            fingerprint(self.heldout), self.run_state), "training settings, data or teacher")
+        if config.calibrate_tokens and (not resume or config.trainable == "lora"):  # (adapters' checkpoints
+            self._calibrate(model)  # hold no base weights: those are calibrated again, as they were)
+        choose_trainable(model, config)
+        if self.teacher is not None and _computes_in_bf16(config, ctx.device):
+            self.teacher = self.teacher.to(torch.bfloat16)  # autocast would cast its weights at every forward
         latest = None
         if resume:  # weights load before FSDP shards them
             latest = load_latest_checkpoint(self.out_dir, model, self.run_state, rank)
@@ -202,6 +206,21 @@ class _Run:
         self.start_step = resume_optimizer(latest, self.optimizer, rank, world) if latest else 0
         self.losses: list[float] = []
         self.eval_loss: float | None = None
+
+    def _calibrate(self, model: Transformer) -> None:
+        """`ladder.train.calibrate` on the run's first training tokens (every rank the same: the result is too)."""
+        config = self.config
+        rows = math.ceil(config.calibrate_tokens / config.seq_len)
+        steps = range(math.ceil(rows / config.batch_size))
+        tokens = torch.cat([self.batches.global_batch(step) for step in steps])[:rows, :-1].to(self.ctx.device)
+        start = time.perf_counter()
+        fits = calibrate_stale_inputs(model, self.teacher, tokens)
+        if self.ctx.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            say(f"ladder: {describe(fits)}, on {tokens.numel():,} tokens in {time.perf_counter() - start:.0f} s")
+            write_text(self.out_dir / "calibration.json", json.dumps(
+                {"tokens": tokens.numel(), "seconds": time.perf_counter() - start,
+                 "modules": [dataclasses.asdict(f) for f in fits]}, indent=1) + "\n")
 
     def _sequences(self, source: str) -> torch.Tensor:
         """One data source as packed sequences: text, or the teacher's answers to prompts (written first)."""

@@ -34,22 +34,24 @@ def plot_training(runs: list[Path], out: Path) -> Path:
     return save(fig, out, plt)
 
 
-def plot_quality_against_speed(points: list[dict], out: Path) -> Path:
+def plot_quality_against_speed(series: dict[str, list[dict]], out: Path) -> Path:
     """Which N to pick: each converted model's perplexity relative to the original's (y, lower is better)
-    against the speedup predicted for it (x, higher is better), one panel per interconnect; the Pareto
-    front (no other point is both faster and better) joined by a line. A point: {"label", "perplexity_ratio",
-    "speedups": {link: speedup}}."""
+    against the speedup predicted for it (x, higher is better), one panel per interconnect; each series (a
+    recipe) in its colour, its Pareto front (no other point of it is both faster and better) joined by a
+    line. A point: {"label", "perplexity_ratio", "speedups": {link: speedup}}."""
     plt = pyplot()
-    links = list(points[0]["speedups"])
+    links = list(next(iter(series.values()))[0]["speedups"])
     fig, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4.2), sharey=True, squeeze=False)
     for ax, link in zip(axes[0], links):
-        xy = sorted((p["speedups"][link], p["perplexity_ratio"], p["label"]) for p in points)
-        ax.scatter([x for x, _, _ in xy], [y for _, y, _ in xy], color="tab:blue")
-        for x, y, label in xy:
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        front = [(x, y) for x, y, _ in xy if not any(x2 >= x and y2 < y for x2, y2, _ in xy)]
-        ax.plot(*zip(*front), color="tab:blue", alpha=0.5, label="Pareto front")
+        for (name, points), colour in zip(series.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+            xy = sorted((p["speedups"][link], p["perplexity_ratio"], p["label"]) for p in points)
+            ax.scatter([x for x, _, _ in xy], [y for _, y, _ in xy], color=colour)
+            for x, y, label in xy:
+                ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            front = [(x, y) for x, y, _ in xy if not any(x2 >= x and y2 < y for x2, y2, _ in xy)]
+            ax.plot(*zip(*front), color=colour, alpha=0.5, label=name)
         ax.set(title=link, xlabel="predicted speedup over standard", ylabel="perplexity / original's")
+        ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

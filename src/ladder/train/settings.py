@@ -41,6 +41,8 @@ class TrainConfig:
     kl_weight: float = 1.0
     hidden_weight: float = 0.0  # matching of the residual stream after each converted layer
     ce_weight: float | None = None  # cross-entropy on the text; default 1 without a teacher, 0 with one
+    calibrate_tokens: int = 0  # before step 0, fit each converted module's stale input to the teacher's on
+    # this many training tokens, in closed form (ladder.train.calibrate); 0: off
     seq_len: int = 128
     # optimisation
     steps: int = 200
@@ -69,8 +71,9 @@ class TrainConfig:
     def validate(self) -> None:
         if self.seq_len < 2:
             raise LadderError(f"seq_len must be >= 2, got {self.seq_len}")
-        if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1:
-            raise LadderError("steps, batch_size and micro_batch_size must be >= 1")
+        if self.steps < (0 if self.calibrate_tokens else 1) or self.batch_size < 1 or self.micro_batch_size < 1:
+            raise LadderError("steps, batch_size and micro_batch_size must be >= 1 (steps=0 with calibrate_tokens: "
+                              "calibrate only)")
         if self.parallel not in ("ddp", "fsdp"):
             raise LadderError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
@@ -109,8 +112,11 @@ class TrainConfig:
                 raise LadderError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.ce_weight is not None and not self.ce_weight >= 0:
             raise LadderError(f"ce_weight must be >= 0, got {self.ce_weight}")
-        if self.teacher is None and (self.hidden_weight or self.ce_weight == 0):
-            raise LadderError("hidden_weight and ce_weight=0 need a teacher: set teacher=original or a checkpoint")
+        if self.teacher is None and (self.hidden_weight or self.ce_weight == 0 or self.calibrate_tokens):
+            raise LadderError("hidden_weight, calibrate_tokens and ce_weight=0 need a teacher: set teacher=original "
+                              "or a checkpoint")
+        if self.calibrate_tokens < 0:
+            raise LadderError(f"calibrate_tokens must be >= 0, got {self.calibrate_tokens}")
         if self.loss_weights()["kl"] + self.loss_weights()["hidden"] + self.loss_weights()["ce"] == 0:
             raise LadderError("every loss weight is 0: nothing to train")
         for name in ("beta1", "beta2"):
