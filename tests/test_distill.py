@@ -3,6 +3,7 @@ the model computes, the loss falls, resume with a teacher is exact, LoRA adapter
 teacher's answers are written once and read back, a calibrated conversion starts nearer its original, and a
 teacher of other tokens is refused in one line."""
 
+import copy
 import dataclasses
 import json
 
@@ -237,11 +238,12 @@ def _train_losses(config: TrainConfig) -> list[float]:
 def test_calibration_brings_a_conversion_closer_to_its_original_through_convert(corpus, teacher, tmp_path, capsys):
     """`ladder convert --calibrate`: the whole-ladder conversion of the tiny teacher, its inputs fitted on
     the training text, is nearer the teacher on held-out text (measured: KL 0.0287 -> 0.0003, greedy
-    agreement 99.4 % -> 100 %); the
-    layers before the converted ones, and every shape, are as they were."""
+    agreement 99.4 % -> 100 %); the layers before the converted ones, and every shape, are as they were.
+    Without --calibrate, convert says that it exists."""
     plain, calibrated = tmp_path / "plain", tmp_path / "calibrated"
     common = ["convert", teacher, "--ladder-layers", "3"]
-    assert ladder_in_process(capsys, *common, "--out", str(plain)).returncode == 0
+    said = ladder_in_process(capsys, *common, "--out", str(plain))
+    assert said.returncode == 0 and "not calibrated: --calibrate TEXT" in said.stderr
     said = ladder_in_process(capsys, *common, "--out", str(calibrated), "--calibrate", str(corpus / "train.txt"),
                              "--calibrate-tokens", "4096")
     assert said.returncode == 0, said.stderr
@@ -265,16 +267,29 @@ def test_calibration_brings_a_conversion_closer_to_its_original_through_convert(
 
 
 def test_each_fit_sees_the_stream_of_the_modules_before_it_already_corrected():
-    """The fits reported are what the calibrated model's own inputs give: run again on the same tokens, a
-    calibration finds each module's input no farther from the original's than the first one left it."""
+    """A module's reported error is measured on the stream that the modules before it give once folded: the
+    error of layer 3's attention input equals the one a model with only layer 2 calibrated gives it."""
+    torch.manual_seed(0)
     original, student = make_model(tiny()), make_model(tiny(layout="ladder", ladder_layers=2))
+    uncalibrated = copy.deepcopy(student)
     tokens = torch.randint(0, 256, (8, 32))
-    first = calibrate_stale_inputs(student, original, tokens)
-    assert [(f.layer, f.module) for f in first] == [(2, "attention"), (2, "mlp"), (3, "attention"), (3, "mlp")]
-    assert all(f.error_after < f.error_before for f in first)
-    again = calibrate_stale_inputs(student, original, tokens)  # the maps already folded: little left to fit
-    assert all(a.error_before <= f.error_before for a, f in zip(again, first))
-    assert again[0].error_before == pytest.approx(first[0].error_after, rel=1e-6)  # nothing before it changed
+    fits = calibrate_stale_inputs(student, original, tokens)
+    assert [(f.layer, f.module) for f in fits] == [(2, "attention"), (2, "mlp"), (3, "attention"), (3, "mlp")]
+    assert all(f.error_after < f.error_before for f in fits)
+
+    def attention_input_error(model) -> float:
+        inputs = []
+        for m in (original, model):
+            handle = m.layers[3].attention.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+            with torch.no_grad():
+                m.stream_before(tokens, m.config.n_layers)
+            handle.remove()
+        wanted, stale = inputs
+        return float((stale - wanted).square().sum() / wanted.square().sum())
+
+    assert attention_input_error(uncalibrated) != pytest.approx(fits[2].error_before, rel=1e-3)
+    uncalibrated.layers[2].load_state_dict(student.layers[2].state_dict())
+    assert attention_input_error(uncalibrated) == pytest.approx(fits[2].error_before, rel=1e-4)
 
 
 def test_distillation_from_a_calibrated_start_begins_nearer_the_teacher(corpus, teacher, tmp_path):

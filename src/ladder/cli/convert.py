@@ -38,6 +38,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     info(f"ladder: {spec.describe(loaded)}")
     if args.calibrate:
         calibrate(loaded, args)
+    elif loaded.model.config.layout == "ladder" and loaded.model.config.n_ladder_layers:
+        info("ladder: not calibrated: --calibrate TEXT fits each converted module's stale input to the original's "
+             "(docs/training.md)")
     path = save_hf(out, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer, force=args.force)
     print(f"wrote {path} ({loaded.model.config.layout_name})")
     return 0
