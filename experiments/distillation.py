@@ -22,6 +22,8 @@ without P2P.
     .venv/bin/python experiments/distillation.py --recipes calibrate --ladder-layers 4,8,12,15,20,30
     .venv/bin/python experiments/distillation.py --recipes distill --ladder-layers 8 --calibrate-tokens 16384 \
         --lr 1.5e-4 --steps 540 --tag calibrated         # (540: the steps 28 minutes held at N=8)
+    .venv/bin/python experiments/distillation.py --recipes distill --ladder-layers 15 --calibrate-tokens 16384 \
+        --lr 1.5e-4 --tag calibrated
     .venv/bin/python experiments/distillation.py --lm-eval       # lm-eval's offline tasks on every run's model
     .venv/bin/python experiments/distillation.py --report        # the table and picture from the results
 

@@ -6,9 +6,11 @@ into its cache (`ladder.checkpoint.cache`: a cache folder made empty for that ru
 The compiled step (`--quantize int8 --compile`, ladder's fastest decode on a CPU) is timed from an empty
 compile cache (`inductor/` in the same folder, made empty) and then from what that start left there.
 transformers reads the same GGUF file each start (its own documented way: `gguf_file=`), and streams with
-`TextStreamer`.
+`TextStreamer`. With `--llama-cpp-python PYTHON` (an interpreter with llama-cpp-python, built apart: not
+ladder's dependency), llama.cpp reads the same GGUF file and streams its chat completion (the GGUF's own
+chat template, greedy, 2 threads).
 
-    .venv/bin/python experiments/first_answer.py --rounds 3
+    .venv/bin/python experiments/first_answer.py --rounds 3 [--llama-cpp-python /tmp/llama/bin/python]
 
 Writes results/first_answer.{jsonl,md}.
 """
@@ -43,6 +45,14 @@ ids = tokenizer.apply_chat_template([{"role": "user", "content": sys.argv[2]}], 
 model.generate(**ids, max_new_tokens=8, do_sample=False,
                streamer=transformers.TextStreamer(tokenizer, skip_prompt=True))
 """
+LLAMA_CPP = """
+import os, sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=os.cpu_count(), verbose=False)
+for part in llm.create_chat_completion([{"role": "user", "content": sys.argv[2]}], max_tokens=8, temperature=0.0,
+                                       stream=True):
+    print(part["choices"][0]["delta"].get("content", ""), end="", flush=True)
+"""
 
 
 def cpu_description() -> str:
@@ -75,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="results/first_answer.jsonl")
+    parser.add_argument("--llama-cpp-python", help="a Python with llama-cpp-python installed (the CPU peer)")
     args = parser.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="ladder-first-answer-"))
     env = {**os.environ, "LADDER_CACHE_DIR": str(cache), "OMP_NUM_THREADS": str(os.cpu_count())}
@@ -90,6 +101,9 @@ def main() -> None:
         "transformers generate (GGUF)": lambda: first_output_s(
             [sys.executable, "-c", TRANSFORMERS, str(resolve_model(MODEL)), QUESTION], env),
     }
+    if args.llama_cpp_python:
+        runs["llama.cpp (llama-cpp-python, the same GGUF)"] = lambda: first_output_s(
+            [args.llama_cpp_python, "-c", LLAMA_CPP, str(resolve_model(MODEL)), QUESTION], env)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, run in runs.items():
@@ -103,9 +117,12 @@ def main() -> None:
     lines = ["| command (SmolLM2-135M-Instruct GGUF, `--chat`, CPU) | first token printed, s (median) | runs |",
              "|---|---|---|"]
     lines += [f"| {name} | {statistics.median(t):.2f} | {', '.join(f'{x:.2f}' for x in t)} |" for name, t in times.items()]
-    lines += ["", f"{args.rounds} rounds in turns; from the command started to its first byte of answer on stdout. "
+    peer = (" llama.cpp computes on the GGUF's Q4_1 weights (ladder and transformers dequantize them to float32);"
+            " its greedy answer differs." if args.llama_cpp_python else "")
+    lines += ["", f"{args.rounds} rounds in turns; from the command started to its first byte of answer on stdout.{peer} "
               f"CPU: {record['cpu']}. "
-              "`.venv/bin/python experiments/first_answer.py`."]
+              f"`.venv/bin/python experiments/first_answer.py --rounds {args.rounds}"
+              f"{' --llama-cpp-python PYTHON' if args.llama_cpp_python else ''}`."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
