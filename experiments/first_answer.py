@@ -8,7 +8,7 @@ compile cache (`inductor/` in the same folder, made empty) and then from what th
 transformers reads the same GGUF file each start (its own documented way: `gguf_file=`), and streams with
 `TextStreamer`. With `--llama-cpp-python PYTHON` (an interpreter with llama-cpp-python, built apart: not
 ladder's dependency), llama.cpp reads the same GGUF file and streams its chat completion (the GGUF's own
-chat template, greedy, 2 threads).
+chat template, greedy, a thread per core).
 
     .venv/bin/python experiments/first_answer.py --rounds 3 [--llama-cpp-python /tmp/llama/bin/python]
 
