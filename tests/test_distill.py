@@ -277,14 +277,18 @@ def test_each_fit_sees_the_stream_of_the_modules_before_it_already_corrected():
     assert [(f.layer, f.module) for f in fits] == [(2, "attention"), (2, "mlp"), (3, "attention"), (3, "mlp")]
     assert all(f.error_after < f.error_before for f in fits)
 
-    def attention_input_error(model) -> float:
+    def layer_3_attention_input(model) -> torch.Tensor:
         inputs = []
-        for m in (original, model):
-            handle = m.layers[3].attention.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
-            with torch.no_grad():
-                m.stream_before(tokens, m.config.n_layers)
-            handle.remove()
-        wanted, stale = inputs
+        handle = model.layers[3].attention.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+        with torch.no_grad():
+            model.stream_before(tokens, model.config.n_layers)
+        handle.remove()
+        return inputs[0]
+
+    wanted = layer_3_attention_input(original)
+
+    def attention_input_error(model) -> float:
+        stale = layer_3_attention_input(model)
         return float((stale - wanted).square().sum() / wanted.square().sum())
 
     assert attention_input_error(uncalibrated) != pytest.approx(fits[2].error_before, rel=1e-3)

@@ -28,7 +28,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     spec = ModelSpec(model=args.src, layout=args.layout, ladder_layers=args.ladder_layers,
                      desync_reduce=args.desync_reduce, device="cpu", dtype="float32")
     spec.validate()
-    if args.calibrate and (spec.config().layout != "ladder" or spec.config().n_ladder_layers == 0):
+    to_ladder = spec.config().layout == "ladder" and spec.config().n_ladder_layers > 0
+    if args.calibrate and not to_ladder:
         raise LadderError("--calibrate corrects a ladder conversion's stale inputs: give --ladder-layers N")
     out = Path(args.out).expanduser().resolve()
     check_replaceable(out, args.force)  # before the minutes of loading
@@ -38,7 +39,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     info(f"ladder: {spec.describe(loaded)}")
     if args.calibrate:
         calibrate(loaded, args)
-    elif loaded.model.config.layout == "ladder" and loaded.model.config.n_ladder_layers:
+    elif to_ladder:
         info("ladder: not calibrated: --calibrate TEXT fits each converted module's stale input to the original's "
              "(docs/training.md)")
     path = save_hf(out, loaded.model.config, export_hf_state_dict(loaded.model), loaded.tokenizer, force=args.force)
