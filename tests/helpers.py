@@ -100,17 +100,21 @@ class Server:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180,
                  api_key: str = "none") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.marker = uuid.uuid4().hex  # finds this server's worker processes
-        self.proc = subprocess.Popen([sys.executable, "-m", "ladder", "serve", *args, "--port", str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "LADDER_TEST_SERVER": self.marker, **(env or {})})
-        try:
-            wait_until_healthy(self.url, [self.proc], startup_s)
-        except LadderError as exc:
-            self.stop()
-            raise AssertionError(f"{exc}: {self.proc.stderr.read()}") from None
+        for attempt in range(3):  # a free port can be taken before the server binds it (by gloo's own, say)
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.marker = uuid.uuid4().hex  # finds this server's worker processes
+            self.proc = subprocess.Popen([sys.executable, "-m", "ladder", "serve", *args, "--port", str(self.port)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         env={**os.environ, "LADDER_TEST_SERVER": self.marker, **(env or {})})
+            try:
+                wait_until_healthy(self.url, [self.proc], startup_s)
+                break
+            except LadderError as exc:
+                self.stop()
+                said = self.proc.stderr.read()
+                if "address already in use" not in said or attempt == 2:
+                    raise AssertionError(f"{exc}: {said}") from None
         import openai  # (the server's tests' client: only they pay for its import)
 
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
