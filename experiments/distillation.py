@@ -5,7 +5,9 @@ layers only) for one budget of minutes on this machine's two cores (`--minutes`:
 from the speed of a few steps measured first), by one of two recipes:
 - distill: the unconverted model as teacher, KL on logits (T = 1) plus residual matching after each
   converted layer, on the teacher's own answers to 1,024 built-in prompts and the Shakespeare training
-  plays, half and half (`ladder train teacher=original ...`), bf16 autocast;
+  plays, half and half (`ladder train teacher=original ...`), bf16 autocast; `--data` draws from other
+  sources in equal shares (`--tag mix`: the standard library's source as a third, technical text that is
+  not the held-out documentation prose);
 - ce: the recipe before distillation (docs/training.md), cross-entropy on the Shakespeare training plays,
   for the same minutes;
 - calibrate: the distill recipe's start alone, its first `--calibrate-tokens` (default 16,384) fitted in
@@ -24,6 +26,8 @@ without P2P.
         --lr 1.5e-4 --steps 540 --tag calibrated         # (540: the steps 28 minutes held at N=8)
     .venv/bin/python experiments/distillation.py --recipes distill --ladder-layers 15 --calibrate-tokens 16384 \
         --lr 1.5e-4 --tag calibrated
+    .venv/bin/python experiments/distillation.py --recipes distill --ladder-layers 8,15 \
+        --data answers:builtin,shakespeare:train,python-source --tag mix    # a third of Python's own source
     .venv/bin/python experiments/distillation.py --lm-eval       # lm-eval's offline tasks on every run's model
     .venv/bin/python experiments/distillation.py --report        # the table and picture from the results
 
@@ -80,7 +84,7 @@ def recipe_config(recipe: str, n: int, steps: int, args: argparse.Namespace, out
         return dataclasses.replace(config, steps=0, calibrate_tokens=args.calibrate_tokens or 16384)
     if recipe == "distill":
         return TrainConfig(**common, teacher=ORIGINAL, hidden_weight=args.hidden_weight, lr=args.lr,
-                           min_lr=args.lr / 10, data=["answers:builtin", "shakespeare:train"], data_weights=[1.0, 1.0],
+                           min_lr=args.lr / 10, data=args.data.split(","), data_weights=[1.0] * len(args.data.split(",")),
                            seq_len=args.seq_len, batch_size=args.batch_size, micro_batch_size=args.batch_size // 2,
                            precision="bf16", weight_decay=0.0, calibrate_tokens=args.calibrate_tokens)
     if recipe == "ce":  # docs/training.md's adaptation before distillation (experiments/adaptation.py)
@@ -199,6 +203,8 @@ def main() -> None:
     parser.add_argument("--hidden-weight", type=float, default=1.0)
     parser.add_argument("--calibrate-tokens", type=int, default=0,
                         help="distill: calibrate the converted modules' inputs on this many tokens first")
+    parser.add_argument("--data", default="answers:builtin,shakespeare:train",
+                        help="distill, calibrate: the training sources, drawn in equal shares")
     parser.add_argument("--tag", help="a variant of the recipe (say, another --lr): recorded as RECIPE-TAG")
     parser.add_argument("--tokens", type=int, default=16384, help="held-out tokens per domain")
     parser.add_argument("--answer-tokens", type=int, default=48)

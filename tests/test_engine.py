@@ -225,7 +225,7 @@ def test_each_decode_attention_kernel_gives_eager_tokens(kernel, traces, monkeyp
     """LADDER_DECODE_ATTENTION picks a decode step's attention (a compiled step's on CPU: "products" by
     default); each attends to each row's own positions: the tokens of the eager step, which attends through
     ATen. The eager step attends alike when the option says so (flex compiles only)."""
-    import ladder.model.transformer as model_module
+    import ladder.model.attention as model_module
 
     model = make_model(tiny(layout="ladder", n_layers=2, ladder_layers=1))
     eager = Engine(model).generate(PROMPT, 6).tokens

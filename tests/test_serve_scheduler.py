@@ -152,6 +152,43 @@ def test_the_ladder_overlap_holds_in_the_servers_decode_step():
     recorder._launched = 0
     run_plan(engine, StepPlan(decode_tokens=[7, 8], decode_positions=[3, 2]))  # two requests at their own positions
     assert all(overlapped_modules(recorder.events))
+    recorder.events.clear()
+    recorder._launched = 0
+    run_plan(engine, StepPlan(decode_tokens=[9, 6], decode_positions=[4, 3], prefill=[PrefillChunk(2, [1, 2, 3, 4], 0)]))
+    assert all(overlapped_modules(recorder.events))  # and in its one forward of running rows and a prompt
+
+
+@pytest.mark.parametrize("layout", ["standard", "parallel", "ladder", "desync"])
+def test_one_forward_of_running_rows_and_prompt_chunks_equals_a_decode_then_a_prefill(layout):
+    """The server's eager step (`Engine.decode_and_prefill`): the same logits as the two forwards, and the
+    same cache, as the next decode step of all four rows shows."""
+    model = make_model(tiny(layout=layout))
+    chunks = [PrefillChunk(2, [9, 10, 11, 12, 13], 0), PrefillChunk(3, [14, 15], 0)]
+    steps = []
+    for mixed in (False, True):
+        engine = server_engine(model, 4, 64)
+        run_plan(engine, StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0), PrefillChunk(1, [4, 5], 0)]))
+        with torch.inference_mode():
+            if mixed:
+                decoded, prefilled = engine.decode_and_prefill([7, 8], [3, 2], chunks)
+            else:
+                decoded, prefilled = engine.decode([7, 8], [3, 2]), engine.prefill(chunks)
+            after = engine.decode([6, 5, 4, 3], [4, 3, 5, 2])
+        steps.append((decoded, prefilled, after))
+    assert steps[1][0].shape == (2, model.config.vocab_size) and steps[1][1].shape == (2, model.config.vocab_size)
+    for separate, together in zip(*steps):
+        torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_with_running_rows_and_a_prompt_chunk_runs_one_forward(monkeypatch):
+    model = make_model(tiny())
+    engine = server_engine(model, 2, 64)
+    run_plan(engine, StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
+    forwards = []
+    monkeypatch.setattr(engine.model, "forward", lambda *a, **k: forwards.append("forward"))
+    monkeypatch.setattr(engine.model, "forward_mixed", lambda groups: forwards.append("mixed") or torch.zeros(2, 9))
+    run_plan(engine, StepPlan(decode_tokens=[7], decode_positions=[3], prefill=[PrefillChunk(1, [4, 5], 0)]))
+    assert forwards == ["mixed"]
 
 
 def test_compiled_layers_at_padded_shapes_give_every_request_its_eager_tokens():

@@ -294,3 +294,14 @@ def test_two_nodes_given_different_settings_stop_before_training(tmp_path):
             f"ladder: error: rank {1 - rank} and rank {rank} have different training settings, data or teacher: "
             "start every node with the same command and the same files"], err[-3000:]
     assert not checkpoint_dirs(tmp_path / "run")
+
+
+def test_python_source_is_the_standard_librarys_code_and_never_the_held_out_documentation():
+    from pydoc_data.topics import topics
+
+    from ladder.train.data import read_texts
+
+    (source,) = read_texts(["python-source"])
+    assert "def " in source and "import " in source and len(source) > 1_000_000
+    held_out = [text for text in topics.values() if len(text) > 2000]
+    assert held_out and not any(text[:2000] in source for text in held_out)

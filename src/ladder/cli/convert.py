@@ -69,7 +69,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     c.add_argument("--desync-reduce", choices=DESYNC_PATTERNS)
     c.add_argument("--calibrate", nargs="+", metavar="TEXT",
                    help="ladder: fit each converted module's stale input to the original model's, in closed form, "
-                        "on this text (files, folders of .txt, shakespeare:train, pydoc); see docs/training.md")
+                        "on this text (files, folders of .txt, shakespeare:train, pydoc, python-source); see docs/training.md")
     c.add_argument("--calibrate-tokens", type=int, default=16384, metavar="N",
                    help="--calibrate: tokens to fit on, spread over the text (default: %(default)s)")
     c.add_argument("--force", action="store_true", help="replace --out if it exists")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from ladder.comm.base import Communicator, Done, LocalCommunicator
 from ladder.errors import LadderError
+from ladder.model.attention import attend
 from ladder.model.config import ModelConfig, ShardShape
 from ladder.model.schedule import ladder_residual
 
@@ -42,6 +43,25 @@ class PartialStream:
     layer: int
     r: torch.Tensor  # (B, T, dim)
     pending: torch.Tensor  # (B, T, dim), already all-reduced
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """KV-cache rows `rows` in a mixed forward (`Transformer.forward_mixed`): their B x T tokens are tokens
+    begin..end - 1 of its flat batch, at cache positions (B, T), with their RoPE and mask."""
+
+    rows: slice
+    begin: int
+    positions: torch.Tensor  # (B, T)
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor  # (B, 1, T, S)
+
+    @property
+    def end(self) -> int:
+        return self.begin + self.positions.numel()
+
+
+Rows = slice | tuple[RowGroup, ...] | None  # the cache rows a forward's batch holds (None: the first B)
 
 
 class RMSNorm(nn.Module):
@@ -83,60 +103,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in the Hugging Face ("rotate half") layout. x: (B, H, T, hd), cos/sin: (B, 1, T, hd)."""
     return x * cos + rotate_half(x) * sin
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, decode_kernel: str = "sdpa",
-           compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Scaled dot-product attention (causal without a mask). One query a row with a mask (a decode step)
-    attends through `decode_kernel` (`ladder.options.DECODE_ATTENTION_KERNELS`; "products" up to
-    DECODE_ATTENTION_MAX_POSITIONS cached positions, ATen's beyond, where the two cost the same); every
-    other attention through ATen's `scaled_dot_product_attention`, in `compute_dtype` when one is given (an
-    engine gives float32 for half precision on a CPU without bf16 arithmetic: AVX2 emulates bf16, and
-    SmolLM2's decode attention ran 2.5x slower in it than upcast; the KV cache stays in the model's dtype)."""
-    dtype = q.dtype
-    if q.shape[2] == 1 and mask is not None:
-        if decode_kernel == "products" and k.shape[2] <= DECODE_ATTENTION_MAX_POSITIONS:
-            return decode_attention(q, k, v, mask).to(dtype)
-        if decode_kernel == "flex":
-            return flex_decode_attention(q, k, v, mask)
-    if compute_dtype is not None:
-        q, k, v = (t.to(compute_dtype) for t in (q, k, v))
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).to(dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).to(dtype)
-
-
-# Up to this many cached positions, the "products" decode attention computes as products and sums: 30
-# attentions of SmolLM2's shape in one compiled graph took 1.9 ms against ATen's flash kernel's 5.7 at 256
-# positions, 15 against 25 at 2048, and as long at 4096 (experiments/investigations/decode_attention.py).
-DECODE_ATTENTION_MAX_POSITIONS = 4096
-
-
-def flex_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of one query a row through FlexAttention (compiled only): on a GPU its decoding kernel, which
-    splits the cache among thread blocks, with the mask (B, 1, 1, S) applied to the scores."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    visible = mask[:, 0, 0]  # (B, S)
-
-    def hide_the_invisible(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
-                           kv_idx: torch.Tensor) -> torch.Tensor:
-        return torch.where(visible[b, kv_idx], score, -float("inf"))
-    return flex_attention(q, k, v, score_mod=hide_the_invisible, enable_gqa=True)
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of one query a row, q (B, H, 1, hd), over the cache k, v (B, n_kv, S, hd), in float32, as
-    products and sums that inductor compiles into one loop nest: ATen's flash kernel costs more to enter
-    (its blocks, an upcast copy of the whole cache) than a decode step's attention costs to compute. The
-    query heads of a KV head broadcast against it (grouped-query attention)."""
-    B, H, _, hd = q.shape
-    n_kv, S = k.shape[1], k.shape[2]
-    grouped = q.float().view(B, n_kv, H // n_kv, 1, hd)
-    scores = (grouped * k.float().unsqueeze(2)).sum(-1) * hd ** -0.5  # (B, n_kv, H / n_kv, S)
-    scores = scores.masked_fill(~mask.view(B, 1, 1, S), float("-inf"))
-    out = (scores.softmax(-1).unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2)  # (B, n_kv, H / n_kv, hd)
-    return out.view(B, H, 1, hd)
 
 
 class KVCache(nn.Module):
@@ -181,10 +147,20 @@ class Attention(nn.Module):
         self.compute_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
-                mask: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
+                mask: torch.Tensor | None, rows: Rows = None) -> torch.Tensor:
+        qkv = self.wqkv(x)
+        if isinstance(rows, tuple):  # a mixed forward: every token projected at once, each group attends on its own
+            y = torch.cat([self._attend(qkv[:, g.begin:g.end].view(*g.positions.shape, -1), *g.rope, g.positions,
+                                        g.mask, g.rows).view(1, g.end - g.begin, -1) for g in rows], dim=1)
+        else:
+            y = self._attend(qkv, cos, sin, input_pos, mask, rows)
+        return self.wo(y)  # (B, T, dim), partial
+
+    def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
+                mask: torch.Tensor | None, rows: slice | None) -> torch.Tensor:
+        B, T, _ = qkv.shape
         hd = self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
+        q, k, v = qkv.split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
         q = q.view(B, T, self.n_heads, hd).transpose(1, 2)  # (B, n_heads, T, hd)
         k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)  # (B, n_kv, T, hd)
         v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)  # (B, n_kv, T, hd)
@@ -194,8 +170,7 @@ class Attention(nn.Module):
         else:
             mask = None  # no cache: the prompt attends to itself, causally
         y = attend(q, k, v, mask, self.decode_kernel, self.compute_dtype)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, n_heads * hd)
-        return self.wo(y)  # (B, T, dim), partial
+        return y.transpose(1, 2).reshape(B, T, self.n_heads * hd)  # (B, T, n_heads * hd)
 
 
 class FeedForward(nn.Module):
@@ -228,7 +203,7 @@ class Block(nn.Module):
 
     def attention_branch(self, r: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                          input_pos: torch.Tensor | None, mask: torch.Tensor | None,
-                         rows: slice | None = None) -> torch.Tensor:
+                         rows: Rows = None) -> torch.Tensor:
         return self.attention(self.attention_norm(r), *rope, input_pos, mask, rows)
 
     def mlp_branch(self, r: torch.Tensor) -> torch.Tensor:
@@ -237,7 +212,7 @@ class Block(nn.Module):
 
     def parallel_branch(self, r: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                         input_pos: torch.Tensor | None, mask: torch.Tensor | None,
-                        rows: slice | None = None) -> torch.Tensor:
+                        rows: Rows = None) -> torch.Tensor:
         u = self.attention_norm(r)
         return self.attention(u, *rope, input_pos, mask, rows) + self.feed_forward(u)
 
@@ -248,7 +223,7 @@ class Block(nn.Module):
 
     def attention_step(self, r: torch.Tensor, arrived: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        input_pos: torch.Tensor | None, mask: torch.Tensor | None,
-                       rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
         r = r + arrived
         return r, self.attention_branch(r, rope, input_pos, mask, rows)
 
@@ -258,7 +233,7 @@ class Block(nn.Module):
 
     def parallel_step(self, r: torch.Tensor, arrived: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                       input_pos: torch.Tensor | None, mask: torch.Tensor | None,
-                      rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
         r = r + arrived
         return r, self.parallel_branch(r, rope, input_pos, mask, rows)
 
@@ -426,6 +401,27 @@ class Transformer(nn.Module):
             mask = (key_pos <= positions[..., None])[:, None]  # (B, 1, T, S): a query sees keys up to its position
             if self.layers_compiled:  # one graph for every cache length (`compile_layers`)
                 torch._dynamo.maybe_mark_dynamic(mask, 3)
+        return self._layout_layers(r, rope, input_pos, mask, rows)
+
+    def forward_mixed(self, groups: Sequence[tuple[slice, torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
+        """One forward of groups of KV-cache rows, each (rows, tokens (B, T), positions (B, T), cache positions
+        read): a server step's running rows (T = 1) and prompt chunks together. Every linear layer reads its
+        weights once for all the tokens; each group attends over its own rows. Logits (sum of B, vocab) of
+        each row's last token, in order."""
+        tokens = torch.cat([t.reshape(-1) for _, t, _, _ in groups])[None]  # (1, N)
+        r = self.tok_embeddings(tokens)  # (1, N, dim)
+        parts, lasts, begin = [], [], 0
+        for rows, group_tokens, positions, kv_len in groups:
+            mask = (torch.arange(kv_len, device=tokens.device) <= positions[..., None])[:, None]
+            parts.append(RowGroup(rows, begin, positions, self.cached_rope(positions, r.dtype), mask))
+            B, T = group_tokens.shape
+            lasts += range(begin + T - 1, begin + B * T, T)
+            begin += B * T
+        r = self._layout_layers(r, (None, None), None, None, tuple(parts))
+        logits = self.head(r[:, torch.tensor(lasts, device=r.device)])  # (1, rows, vocab or vocab / tp)
+        return (self.comm.all_gather_last_dim(logits) if self.shard_vocab else logits)[0]
+
+    def _layout_layers(self, r: torch.Tensor, rope, input_pos, mask, rows: Rows) -> torch.Tensor:
         layout = self.config.layout
         if layout == "parallel":
             return self._parallel_layers(r, rope, input_pos, mask, rows)

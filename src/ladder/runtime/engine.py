@@ -181,30 +181,42 @@ class Engine:
         """The last logits (P, V) of every chunk, in one forward over consecutive rows from chunks[0].row,
         left-padded to the longest chunk, rounded up to whole PREFILL_BLOCKs. `every_position`: the logits
         of every position (P, T, V) instead, each chunk's at the right end of its row."""
+        tokens, positions, rows, kv_len = self._chunk_batch(chunks)
+        logits = self.model(tokens, positions, last_only=not every_position, rows=rows, kv_len=kv_len)
+        return logits if every_position else logits[:, -1]
+
+    def decode_and_prefill(self, tokens: Sequence[int], positions: Sequence[int],
+                           chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode(tokens, positions)` and `prefill(chunks)` in one eager forward (`Transformer.forward_mixed`):
+        every weight is read once for both, so the running rows wait only for the prompt tokens' compute."""
+        D = len(tokens)
+        decoding = (slice(0, D), to_device(tokens, self.device)[:, None], to_device(positions, self.device)[:, None],
+                    kv_blocks(max(positions) + 1, self.max_seq))
+        chunk_tokens, chunk_positions, rows, kv_len = self._chunk_batch(chunks)
+        logits = self.model.forward_mixed([decoding, (rows, chunk_tokens, chunk_positions, kv_len)])
+        return logits[:D], logits[D:]
+
+    def _chunk_batch(self, chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor, slice, int]:
+        """Prompt chunks as a forward's batch (`prefill`): tokens and positions (P, T), left-padded, their
+        cache rows, and the cache positions they read."""
         longest = -(-max(len(c.tokens) for c in chunks) // PREFILL_BLOCK) * PREFILL_BLOCK
         tokens = [[0] * (longest - len(c.tokens)) + c.tokens for c in chunks]
         positions = [[self.scratch_position] * (longest - len(c.tokens)) + list(range(c.start, c.start + len(c.tokens)))
                      for c in chunks]
-        rows = slice(chunks[0].row, chunks[0].row + len(chunks))
-        return self._prefill(to_device(tokens, self.device), to_device(positions, self.device),
-                             rows, max(c.start + len(c.tokens) for c in chunks), every_position)
+        needed = max(c.start + len(c.tokens) for c in chunks)
+        return (to_device(tokens, self.device), to_device(positions, self.device),
+                slice(chunks[0].row, chunks[0].row + len(chunks)), kv_blocks(needed, self.max_seq))
 
     def prefill_prompts(self, prompts: torch.Tensor) -> torch.Tensor:
         """The last logits (B, V) of equal-length prompts (B, T), written from position 0 of rows 0..B-1."""
         B, T = prompts.shape
         positions = torch.arange(T, device=self.device).expand(B, T)
-        return self._prefill(prompts, positions, slice(0, B), T)
+        return self.model(prompts, positions, last_only=True, rows=slice(0, B), kv_len=kv_blocks(T, self.max_seq))[:, -1]
 
     def move_row(self, source: int, target: int, length: int) -> None:
         """Copy a sequence's first `length` cache positions to another row, in every layer."""
         for layer in self.model.layers:
             layer.attention.kv_cache.move_row(source, target, length)
-
-    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, rows: slice, longest: int,
-                 every_position: bool = False) -> torch.Tensor:
-        logits = self.model(tokens, positions, last_only=not every_position, rows=rows,
-                            kv_len=kv_blocks(longest, self.max_seq))
-        return logits if every_position else logits[:, -1]
 
     def _step_at(self, batch: int, kv_len: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The decode step at one shape, made on first use (a CUDA graph captures at its first call)."""

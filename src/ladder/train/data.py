@@ -9,18 +9,21 @@ from typing import Any
 
 import torch
 
-from ladder.corpora import python_docs_text, shakespeare_text
+from ladder.corpora import python_docs_text, python_source_text, shakespeare_text
 from ladder.errors import LadderError
 
 
 def read_texts(specs: list[str]) -> list[str]:
-    """Texts from files, folders (every *.txt inside) or `shakespeare:train|heldout`."""
+    """Texts from files, folders (every *.txt inside), `shakespeare:train|heldout`, `pydoc` or
+    `python-source`."""
     texts = []
     for spec in specs:
         if spec.startswith("shakespeare:"):
             texts.append(shakespeare_text(spec.split(":", 1)[1]))
         elif spec == "pydoc":
             texts.append(python_docs_text())
+        elif spec == "python-source":
+            texts.append(python_source_text())
         else:
             p = Path(spec)
             files = sorted(p.rglob("*.txt")) if p.is_dir() else [p]

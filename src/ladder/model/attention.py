@@ -1,0 +1,61 @@
+"""Attention kernels: ATen's scaled dot-product attention, and for a decode step (one query a row over
+the KV cache) products and sums that inductor compiles, or FlexAttention (`ladder.options.DECODE_ATTENTION_KERNELS`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, decode_kernel: str = "sdpa",
+           compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Scaled dot-product attention (causal without a mask). One query a row with a mask (a decode step)
+    attends through `decode_kernel` (`ladder.options.DECODE_ATTENTION_KERNELS`; "products" up to
+    DECODE_ATTENTION_MAX_POSITIONS cached positions, ATen's beyond, where the two cost the same); every
+    other attention through ATen's `scaled_dot_product_attention`, in `compute_dtype` when one is given (an
+    engine gives float32 for half precision on a CPU without bf16 arithmetic: AVX2 emulates bf16, and
+    SmolLM2's decode attention ran 2.5x slower in it than upcast; the KV cache stays in the model's dtype)."""
+    dtype = q.dtype
+    if q.shape[2] == 1 and mask is not None:
+        if decode_kernel == "products" and k.shape[2] <= DECODE_ATTENTION_MAX_POSITIONS:
+            return decode_attention(q, k, v, mask).to(dtype)
+        if decode_kernel == "flex":
+            return flex_decode_attention(q, k, v, mask)
+    if compute_dtype is not None:
+        q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).to(dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).to(dtype)
+
+
+# Up to this many cached positions, the "products" decode attention computes as products and sums: 30
+# attentions of SmolLM2's shape in one compiled graph took 1.9 ms against ATen's flash kernel's 5.7 at 256
+# positions, 15 against 25 at 2048, and as long at 4096 (experiments/investigations/decode_attention.py).
+DECODE_ATTENTION_MAX_POSITIONS = 4096
+
+
+def flex_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one query a row through FlexAttention (compiled only): on a GPU its decoding kernel, which
+    splits the cache among thread blocks, with the mask (B, 1, 1, S) applied to the scores."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    visible = mask[:, 0, 0]  # (B, S)
+
+    def hide_the_invisible(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                           kv_idx: torch.Tensor) -> torch.Tensor:
+        return torch.where(visible[b, kv_idx], score, -float("inf"))
+    return flex_attention(q, k, v, score_mod=hide_the_invisible, enable_gqa=True)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one query a row, q (B, H, 1, hd), over the cache k, v (B, n_kv, S, hd), in float32, as
+    products and sums that inductor compiles into one loop nest: ATen's flash kernel costs more to enter
+    (its blocks, an upcast copy of the whole cache) than a decode step's attention costs to compute. The
+    query heads of a KV head broadcast against it (grouped-query attention)."""
+    B, H, _, hd = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    grouped = q.float().view(B, n_kv, H // n_kv, 1, hd)
+    scores = (grouped * k.float().unsqueeze(2)).sum(-1) * hd ** -0.5  # (B, n_kv, H / n_kv, S)
+    scores = scores.masked_fill(~mask.view(B, 1, 1, S), float("-inf"))
+    out = (scores.softmax(-1).unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2)  # (B, n_kv, H / n_kv, hd)
+    return out.view(B, H, 1, hd)
