@@ -83,8 +83,9 @@ def recipe_config(recipe: str, n: int, steps: int, args: argparse.Namespace, out
         config = recipe_config("distill", n, steps, args, out_dir)
         return dataclasses.replace(config, steps=0, calibrate_tokens=args.calibrate_tokens or 16384)
     if recipe == "distill":
+        sources = args.data.split(",")
         return TrainConfig(**common, teacher=ORIGINAL, hidden_weight=args.hidden_weight, lr=args.lr,
-                           min_lr=args.lr / 10, data=args.data.split(","), data_weights=[1.0] * len(args.data.split(",")),
+                           min_lr=args.lr / 10, data=sources, data_weights=[1.0] * len(sources),
                            seq_len=args.seq_len, batch_size=args.batch_size, micro_batch_size=args.batch_size // 2,
                            precision="bf16", weight_decay=0.0, calibrate_tokens=args.calibrate_tokens)
     if recipe == "ce":  # docs/training.md's adaptation before distillation (experiments/adaptation.py)

