@@ -5,9 +5,10 @@ layers only) for one budget of minutes on this machine's two cores (`--minutes`:
 from the speed of a few steps measured first), by one of two recipes:
 - distill: the unconverted model as teacher, KL on logits (T = 1) plus residual matching after each
   converted layer, on the teacher's own answers to 1,024 built-in prompts and the Shakespeare training
-  plays, half and half (`ladder train teacher=original ...`), bf16 autocast; `--data` draws from other
-  sources in equal shares (`--tag mix`: the standard library's source as a third, technical text that is
-  not the held-out documentation prose);
+  plays, half and half (`ladder train teacher=original ...`), bf16 autocast (fp32 on a CPU without bf16
+  arithmetic, which emulates it 20x slower); `--data` draws from other sources in equal shares (`--tag
+  mix`: the standard library's source as a third, technical text that is not the held-out documentation
+  prose);
 - ce: the recipe before distillation (docs/training.md), cross-entropy on the Shakespeare training plays,
   for the same minutes;
 - calibrate: the distill recipe's start alone, its first `--calibrate-tokens` (default 16,384) fitted in
@@ -52,6 +53,7 @@ from ladder.comm.links import get_link
 from ladder.corpora import python_docs_text, shakespeare_text
 from ladder.evaluate import compare, perplexity
 from ladder.harness import ladder_lm, offline_tasks_dir
+from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.spec import ModelSpec
 from ladder.predict.costmodel import get_gpu, predict_table
 from ladder.runtime.completions import complete
@@ -87,7 +89,7 @@ def recipe_config(recipe: str, n: int, steps: int, args: argparse.Namespace, out
         return TrainConfig(**common, teacher=ORIGINAL, hidden_weight=args.hidden_weight, lr=args.lr,
                            min_lr=args.lr / 10, data=sources, data_weights=[1.0] * len(sources),
                            seq_len=args.seq_len, batch_size=args.batch_size, micro_batch_size=args.batch_size // 2,
-                           precision="bf16", weight_decay=0.0, calibrate_tokens=args.calibrate_tokens)
+                           precision="bf16" if cpu_computes_in_bf16() else "fp32", weight_decay=0.0, calibrate_tokens=args.calibrate_tokens)
     if recipe == "ce":  # docs/training.md's adaptation before distillation (experiments/adaptation.py)
         return TrainConfig(**common, lr=2e-4, min_lr=2e-5, data=["shakespeare:train"], seq_len=128, batch_size=8,
                            micro_batch_size=4)

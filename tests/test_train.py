@@ -12,6 +12,7 @@ import torch
 from ladder.comm.launch import launch
 from ladder.errors import LadderError
 from ladder.train.checkpoints import checkpoint_dirs
+from ladder.train import loop
 from ladder.train.loop import train
 from ladder.train.settings import TrainConfig, load_train_config
 
@@ -162,6 +163,15 @@ def test_bad_input(corpus, tmp_path):
         train(tiny_config(corpus, tmp_path / "d", steps=6), progress=False)
     leftovers = [p.name for p in (tmp_path / "d" / "checkpoints").iterdir() if p.name.startswith(".")]
     assert leftovers == []  # no half-written checkpoint
+
+
+@pytest.mark.parametrize("computes_in_bf16", [False, True])
+def test_bf16_on_a_cpu_without_bf16_arithmetic_is_said_in_one_line(corpus, tmp_path, capsys, monkeypatch,
+                                                                    computes_in_bf16):
+    monkeypatch.setattr(loop, "cpu_computes_in_bf16", lambda: computes_in_bf16)
+    train(tiny_config(corpus, tmp_path / "run", steps=1, precision="bf16", heldout=[]), progress=False)
+    warned = [line for line in capsys.readouterr().err.splitlines() if "bf16 arithmetic" in line]
+    assert len(warned) == (0 if computes_in_bf16 else 1)
 
 
 def test_an_out_dir_under_a_file_is_one_line_before_training(tmp_path, capsys):

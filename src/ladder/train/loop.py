@@ -32,10 +32,11 @@ from tqdm import tqdm
 
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
-from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint, init_distributed, say,
-                                     shutdown_distributed)
+from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint, init_distributed, is_rank0,
+                                     say, shutdown_distributed)
 from ladder.errors import LadderError, Stopped
 from ladder.files import append_line, write_text
+from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.spec import ModelSpec
 from ladder.model.transformer import Transformer
 from ladder.quant.quantize import quantize_shard
@@ -66,7 +67,17 @@ class TrainResult:
 
 
 def _computes_in_bf16(config: TrainConfig, device: torch.device) -> bool:
+    """bf16 autocast: asked for, or `auto` on CUDA. `auto` keeps a CPU run in fp32 on every CPU, so that a run
+    gives the same losses on either kind of CPU (the suite's golden losses); bf16 is for a CPU with bf16
+    arithmetic."""
     return config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+
+
+def _warn_of_emulated_bf16(config: TrainConfig, device: torch.device) -> None:
+    """SmolLM2's distillation on a 2-core AVX2 EPYC: 4 tokens/s in bf16 against 81 in fp32 (docs/training.md)."""
+    if config.precision == "bf16" and device.type == "cpu" and not cpu_computes_in_bf16() and is_rank0():
+        say("ladder: precision=bf16 on a CPU without bf16 arithmetic (AVX2) is emulated, about 20x slower than "
+            "fp32 (precision=auto)")
 
 
 def _autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
@@ -170,6 +181,7 @@ class _Run:
         check_out_dir_is_shared(self.out_dir, rank, world)
         torch.manual_seed(config.seed)
         random.seed(config.seed)
+        _warn_of_emulated_bf16(config, ctx.device)
         model, self.tokenizer = _build(config, ctx.device)
         if config.seq_len > model.config.max_seq_len:
             raise LadderError(f"seq_len {config.seq_len} exceeds the model's context (max_seq_len "

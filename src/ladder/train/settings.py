@@ -56,7 +56,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 0
-    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
+    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16 (a CPU with bf16 arithmetic)
     parallel: str = "ddp"  # ddp or fsdp (used when the world size is > 1)
     # bookkeeping
     out_dir: str = "runs/train"
