@@ -10,6 +10,7 @@ from ladder.comm.base import LocalCommunicator
 from ladder.errors import LadderError
 from ladder.model.weights import random_model
 from ladder.options import CPU_GEMM_TEMPLATES, DECODE_ATTENTION, INDUCTOR_OPTIONS, DecodeStep, RuntimeOptions
+from ladder.quant.quantize import quantize_shard
 from ladder.runtime import compile as compile_module
 from ladder.runtime.compile import INDUCTOR_CACHE_DIR, uses_gemm_templates, weights_digest
 from ladder.runtime.engine import Engine
@@ -161,17 +162,22 @@ def test_out_of_vocabulary_prompt_is_an_error(engine):
 
 def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape_and_a_restart_reads_its_graph(
         monkeypatch, tmp_path):
-    """With the weights frozen and inductor's C++ GEMM templates, a compiled CPU step's default (the other
-    tests of compiled steps leave them out: conftest.py). The weights are constants of the compiled graph,
-    which inductor's cache keys by shape and ladder by a digest of the weights too: the second model must
-    not run the first one's, and the first one, compiled again (a later start), reads its graph."""
+    """With the weights frozen and inductor's C++ GEMM templates, a compiled CPU step's default on AVX2 (the
+    other tests of compiled steps leave them out: conftest.py). The templates run (here the only GEMM
+    allowed: inductor offers them only with `cpp.weight_prepack` on). The weights are constants of the
+    compiled graph, which inductor's cache keys by shape and ladder by a digest of the weights too: the
+    second model must not run the first one's, and the first one, compiled again (a later start), reads
+    its graph. int8 weights, as `--quantize int8`: no oneDNN-packed weight, which would keep the graph out
+    of the cache."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv(CPU_GEMM_TEMPLATES, "1")
+    monkeypatch.setenv(INDUCTOR_OPTIONS, '{"max_autotune_gemm_backends": "CPP"}')
     monkeypatch.setenv(INDUCTOR_CACHE_DIR, str(tmp_path / "inductor"))  # an empty cache
     for start, seed in enumerate((0, 1, 0)):
         config = tiny(layout="ladder", n_layers=2, ladder_layers=1)
         model = random_model(config, LocalCommunicator(), CPU, torch.bfloat16, seed)
+        quantize_shard(model, "int8")
         eager = Engine(model).generate(PROMPT, 6).tokens
         torch._dynamo.reset()  # what a new process starts with
         counters.clear()
@@ -179,6 +185,7 @@ def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape_and_a_
         assert compiled.generate(PROMPT, 6).tokens == eager, f"seed {seed}"
         hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
         assert (hits > 0) == (start == 2), (start, dict(counters["inductor"]), dict(counters["aot_autograd"]))
+        assert start == 2 or counters["inductor"]["cpp_templated_kernel_counter"] > 0, dict(counters["inductor"])
 
 
 @pytest.mark.parametrize("computes_in_bf16, chosen, expected", [(True, None, False), (False, None, True),
