@@ -23,9 +23,9 @@ runs) and transformers' `generate` on the same folder, 64 prompt and 128 new tok
     .venv/bin/python experiments/serving_peer.py --batch-one-only --rounds 5   # batch-1 decoding only, in turns
 
 One table per CPU kind (`ladder.bench.records.cpu_kind`: AVX-512 BF16 or AVX2; the two rank the servers
-and dtypes differently): results/serve/peer/<kind>.jsonl (every run; a run of some dtypes replaces only
-their rows) and results/serve/peer/<kind>.md (the table, with the CPU's flags); with --batch-one-only,
-results/serve/batch-one-decoding.{jsonl,md}. `--ladder-variant FLAGS` (repeatable) serves ladder with
+and dtypes differently): results/serve/peer/<kind>.jsonl (every run; a run replaces only the rows of
+the dtypes and loads it measures) and results/serve/peer/<kind>.md (the table, with the CPU's flags);
+with --batch-one-only, results/serve/batch-one-decoding.{jsonl,md}. `--ladder-variant FLAGS` (repeatable) serves ladder with
 these flags too, a server more in the same run; `--no-vllm` leaves vLLM out (a check of ladder alone).
 """
 
@@ -187,14 +187,18 @@ def summary(peer: Path = PEER) -> None:
     print("\n".join(lines))
 
 
-def keep_other_dtypes(dtypes: list[str]) -> None:
-    """Drop peer.jsonl's rows of the dtypes about to be measured again; the other dtypes' rows stay."""
+def keep_other_rows(dtypes: list[str], loads: list[str], batch_one: bool) -> None:
+    """Drop peer.jsonl's rows about to be measured again (each dtype's rows of these loads, and its batch-1
+    rows when they run); the other rows stay."""
     path = PEER.with_suffix(".jsonl")
-    if path.exists():
-        measured_again = tuple(f"({dtype})" for dtype in dtypes)
-        rows = [line for line, label in ((line, json.loads(line)["label"]) for line in path.read_text().splitlines())
-                if not any(tag in label for tag in measured_again)]
-        path.write_text("".join(line + "\n" for line in rows))
+    if not path.exists():
+        return
+
+    def measured_again(label: str) -> bool:
+        server, _, load = label.partition(" | ")  # batch-1 rows have no load
+        return any(f"({dtype})" in server for dtype in dtypes) and (load in loads if load else batch_one)
+    rows = [line for line in path.read_text().splitlines() if not measured_again(json.loads(line)["label"])]
+    path.write_text("".join(line + "\n" for line in rows))
 
 
 def main() -> None:
@@ -214,7 +218,7 @@ def main() -> None:
         return batch_one_in_turns(args.dtypes.split(","), args.rounds)
     if not args.summary_only:
         PEER.parent.mkdir(parents=True, exist_ok=True)
-        keep_other_dtypes(args.dtypes.split(","))
+        keep_other_rows(args.dtypes.split(","), args.loads.split(","), not args.no_batch_one)
         write_folder()
         for round_ in range(args.rounds):
             for dtype in args.dtypes.split(","):

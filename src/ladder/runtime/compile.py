@@ -24,12 +24,12 @@ INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 
 # A compiled CPU step can freeze the weights (constants of the graph) so that inductor can pick its C++ GEMM
 # templates: weights repacked once into blocks, the int8 dequantization and scale fused into the GEMM.
-# SmolLM2 at batch 1 on an AVX2 CPU (docs/quantization.md): int8 bf16 twice as fast as torch's
-# `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. On a CPU with bf16 arithmetic (AMD
-# EPYC, AVX-512 BF16; results/compile_cache.md) they gain at most 5 %: int8 87.2 against 83.1-86.1
-# tokens/s, bf16 level; and a frozen step cannot come whole from torch's caches (AOTAutograd's refuses
-# freezing): a later start compiles for 19.6 s, where an unfrozen step is read back in 6.2.
-# So they are on by default only where bf16 arithmetic is missing (`uses_gemm_templates`).
+# SmolLM2 at batch 1 on an AVX2 CPU (docs/quantization.md): int8 bf16 45-52 tokens/s against 37 on torch's
+# `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. A frozen step cannot come whole from
+# torch's caches (AOTAutograd's refuses freezing): a later start compiles for 20-50 s, where an unfrozen
+# step is read back in 6 s. On a CPU with bf16 arithmetic the templates are not measured (the runs there
+# had them switched off by `cpp.weight_prepack`, see `_with_frozen_weights`), so they are on by default
+# only where bf16 arithmetic is missing (`uses_gemm_templates`).
 # (inductor reads `freezing` outside a compile's options: `_with_frozen_weights` sets it.)
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
