@@ -89,7 +89,8 @@ def recipe_config(recipe: str, n: int, steps: int, args: argparse.Namespace, out
         return TrainConfig(**common, teacher=ORIGINAL, hidden_weight=args.hidden_weight, lr=args.lr,
                            min_lr=args.lr / 10, data=sources, data_weights=[1.0] * len(sources),
                            seq_len=args.seq_len, batch_size=args.batch_size, micro_batch_size=args.batch_size // 2,
-                           precision="bf16" if cpu_computes_in_bf16() else "fp32", weight_decay=0.0, calibrate_tokens=args.calibrate_tokens)
+                           precision="bf16" if cpu_computes_in_bf16() else "fp32", weight_decay=0.0,
+                           calibrate_tokens=args.calibrate_tokens)
     if recipe == "ce":  # docs/training.md's adaptation before distillation (experiments/adaptation.py)
         return TrainConfig(**common, lr=2e-4, min_lr=2e-5, data=["shakespeare:train"], seq_len=128, batch_size=8,
                            micro_batch_size=4)

@@ -25,8 +25,9 @@ runs) and transformers' `generate` on the same folder, 64 prompt and 128 new tok
 One table per CPU kind (`ladder.bench.records.cpu_kind`: AVX-512 BF16 or AVX2; the two rank the servers
 and dtypes differently): results/serve/peer/<kind>.jsonl (every run; a run replaces only the rows of
 the dtypes and loads it measures) and results/serve/peer/<kind>.md (the table, with the CPU's flags);
-with --batch-one-only, results/serve/batch-one-decoding.{jsonl,md}. `--ladder-variant FLAGS` (repeatable) serves ladder with
-these flags too, a server more in the same run; `--no-vllm` leaves vLLM out (a check of ladder alone).
+with --batch-one-only, results/serve/batch-one-decoding.{jsonl,md}. `--ladder-variant FLAGS` (repeatable)
+serves ladder with these flags too, a server more in the same run; `--no-vllm` leaves vLLM out (a check of
+ladder alone).
 """
 
 import argparse

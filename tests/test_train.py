@@ -11,8 +11,8 @@ import torch
 
 from ladder.comm.launch import launch
 from ladder.errors import LadderError
-from ladder.train.checkpoints import checkpoint_dirs
 from ladder.train import loop
+from ladder.train.checkpoints import checkpoint_dirs
 from ladder.train.loop import train
 from ladder.train.settings import TrainConfig, load_train_config
 
