@@ -40,8 +40,8 @@ VARIABLES = (
              "The dtype on a CPU when `--dtype` is not given: float32, bfloat16 or float16."),
     Variable(CPU_GEMM_TEMPLATES, "1 on a CPU without bf16 arithmetic (AVX2), else 0",
              "1: a compiled CPU step freezes the weights into inductor's C++ GEMM templates (faster on AVX2; a "
-             "later start compiles again for about 20 s); 0: inductor's default GEMMs, weights as inputs (a later "
-             "start reads the whole compiled step from the cache)."),
+             "later start compiles again for 20-50 s; the cache entry holds the packed weights); 0: inductor's "
+             "default GEMMs, weights as inputs (a later start reads the whole compiled step from the cache)."),
     Variable(DECODE_ATTENTION, "products for a compiled step on a CPU, else sdpa",
              "A decode step's attention: sdpa (ATen), products (one loop nest, for compiled CPU steps) or flex "
              "(FlexAttention, compiled only)."),
