@@ -52,7 +52,7 @@ from ladder.comm.base import LocalCommunicator
 from ladder.comm.links import get_link
 from ladder.corpora import python_docs_text, shakespeare_text
 from ladder.evaluate import compare, perplexity
-from ladder.harness import ladder_lm, offline_tasks_dir
+from ladder.harness import ladder_lm, task_manager
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.spec import ModelSpec
 from ladder.predict.costmodel import get_gpu, predict_table
@@ -280,7 +280,6 @@ def score_with_lm_eval(out: Path, recipes: list[str], limit: int | None) -> None
     import logging
 
     from lm_eval import simple_evaluate  # (seconds to import: only this part of the experiment needs it)
-    from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -291,7 +290,7 @@ def score_with_lm_eval(out: Path, recipes: list[str], limit: int | None) -> None
             (Path("runs/distill") / record["run"] / "checkpoints").glob("step-*"))[-1])
         loaded = load(name)
         results = simple_evaluate(model=ladder_lm(loaded.model, loaded.tokenizer, batch_size=8), tasks=LM_EVAL_TASKS,
-                                  task_manager=TaskManager(include_path=str(offline_tasks_dir())), log_samples=False, limit=limit,
+                                  task_manager=task_manager(LM_EVAL_TASKS), log_samples=False, limit=limit,
                                   random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
         record["lm_eval"] = {task: {k: v for k, v in metrics.items() if "," in k and "stderr" not in k}
                              for task, metrics in results["results"].items() if task != "ladder_offline"}

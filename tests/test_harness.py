@@ -19,9 +19,8 @@ from helpers import CPU, Server, ladder_cli, ladder_in_process
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
-from lm_eval.tasks import TaskManager  # noqa: E402
 
-from ladder.harness import ladder_lm, offline_tasks_dir  # noqa: E402
+from ladder.harness import ladder_lm, task_manager  # noqa: E402
 
 MAX_LENGTH = 96  # shorter than a rolling document: several windows each
 LIMITS = {"ladder_shakespeare_lastword": 6, "ladder_pydoc_rolling": 2, "ladder_arithmetic": 4}
@@ -42,8 +41,8 @@ def folder(tmp_path_factory):
 
 def evaluate(model, **kwargs) -> dict:
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    results = lm_eval.simple_evaluate(model=model, tasks=list(LIMITS), limit=None, task_manager=TaskManager(
-        include_path=str(offline_tasks_dir())), log_samples=False, random_seed=0, numpy_random_seed=0,
+    results = lm_eval.simple_evaluate(model=model, tasks=list(LIMITS), limit=None, task_manager=task_manager(
+        list(LIMITS)), log_samples=False, random_seed=0, numpy_random_seed=0,
         torch_random_seed=0, fewshot_random_seed=0, samples={t: list(range(n)) for t, n in LIMITS.items()}, **kwargs)
     return results["results"]
 
@@ -104,7 +103,7 @@ def test_local_completions_through_ladder_serve_scores_what_ladder_scores(folder
     try:
         tasks = {"ladder_shakespeare_lastword": 6}
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
-        manager = TaskManager(include_path=str(offline_tasks_dir()))
+        manager = task_manager(list(tasks))
         common = dict(tasks=list(tasks), task_manager=manager, log_samples=False,
                       samples={t: list(range(n)) for t, n in tasks.items()})
         served = lm_eval.simple_evaluate(model="local-completions", model_args={

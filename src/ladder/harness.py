@@ -40,6 +40,17 @@ def offline_tasks_dir() -> Path:
     return Path(str(resources.files("ladder") / "data" / "lm_eval_tasks"))
 
 
+def task_manager(tasks: list[str], include_paths: list[str] = ()) -> Any:
+    """lm-eval's `TaskManager` for `tasks`: ladder's offline tasks and the user's folders alone where they
+    hold every task asked for, else with lm-eval's own (indexing its 14,000-odd task files takes seconds,
+    on every rank)."""
+    from lm_eval.tasks import TaskManager  # (with lm-eval, which the caller imported)
+
+    paths = [str(offline_tasks_dir()), *map(str, include_paths)]
+    own = TaskManager(include_path=paths, include_defaults=False)
+    return own if all(task in own.all_tasks for task in tasks) else TaskManager(include_path=paths)
+
+
 def ladder_lm(model: Transformer, tokenizer: TextTokenizer, batch_size: int = 8, max_length: int | None = None,
               quiet: bool = False) -> Any:
     """An lm-eval model (`lm_eval.api.model.LM`) over one rank's shard of a ladder model and its tokenizer."""

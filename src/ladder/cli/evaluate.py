@@ -16,7 +16,7 @@ from ladder.comm.launch import launch
 from ladder.errors import LadderError, check_creatable
 from ladder.evaluate import compare, perplexity
 from ladder.files import write_text
-from ladder.harness import ladder_lm, offline_tasks_dir
+from ladder.harness import ladder_lm, task_manager
 from ladder.model.spec import ModelSpec
 
 
@@ -72,7 +72,6 @@ def tasks_on_rank(req: TasksRequest) -> dict | None:
     # lm-eval and its datasets take seconds to import: only `ladder eval --tasks` pays for them.
     try:
         from lm_eval import simple_evaluate
-        from lm_eval.tasks import TaskManager
     except ImportError:
         raise LadderError('--tasks needs lm-evaluation-harness: pip install "lm-eval[api]==0.4.13"') from None
     ctx = init_distributed(req.model.device)
@@ -80,7 +79,7 @@ def tasks_on_rank(req: TasksRequest) -> dict | None:
         check_ranks_agree(req, "options")
         # lm-eval warns of what ladder's offline tasks do on purpose (a dataset loaded by a function)
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
-        manager = TaskManager(include_path=[str(offline_tasks_dir()), *req.include_paths])
+        manager = task_manager(req.tasks, req.include_paths)
         unknown = [t for t in req.tasks if t not in manager.all_tasks]
         if unknown:
             raise LadderError(f"unknown task {unknown[0]!r}: ladder's offline tasks are "
