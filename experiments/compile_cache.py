@@ -1,13 +1,15 @@
 """A compiled step's start, cold and from torch's own caches (`LADDER_CACHE_DIR/inductor`).
 
 For each case, a first start with that folder made empty, then a second start that reads what the first
-left there: for `ladder generate`, its own "compiled in" line, the seconds from the command started to its
-first token printed, and the decode rate after the compile; for `ladder serve`, the seconds until its
-/health says 200 (every step shape made). Then the folder's size. One machine, one run, cases in turn.
+left there, as a user makes it: `ladder generate` with another prompt (of another length). For `ladder
+generate`, its own "compiled in" line, the seconds from the command started to its first token printed, and
+the decode rate after the compile; for `ladder serve`, the seconds until its /health says 200 (every step
+shape made). Then the folder's size. One machine, one run, cases in turn.
 
     .venv/bin/python experiments/compile_cache.py
 
-Writes results/compile_cache.{jsonl,md} (`--cases`: replaces only those cases' records).
+Writes results/compile_cache/{avx512,avx2}.{jsonl,md}, by this CPU's kind (`--cases`: replaces only those
+cases' records).
 """
 
 import argparse
@@ -29,12 +31,14 @@ from ladder.bench.serve_load import StartedServer, free_port
 from ladder.model.config import cpu_computes_in_bf16
 
 MODEL = "smollm2-135m-instruct"
-GENERATE = ["generate", "--model", MODEL, "--prompt", "A short history of the printing press:",
-            "--max-new-tokens", "96"]
+PROMPT, ANOTHER_PROMPT = "A short history of the printing press:", "Tell me, in a few sentences, how a bicycle's gears work:"
+GENERATE = ["generate", "--model", MODEL, "--prompt", PROMPT, "--max-new-tokens", "96"]
 CASES = {  # name: (ladder arguments, extra environment)
     "generate --quantize int8 --compile": (GENERATE + ["--quantize", "int8", "--compile"], {}),
     "generate --quantize int8 --compile, GEMM templates": (GENERATE + ["--quantize", "int8", "--compile"],
                                                            {"LADDER_CPU_GEMM_TEMPLATES": "1"}),
+    "generate --quantize int8 --compile, no GEMM templates": (GENERATE + ["--quantize", "int8", "--compile"],
+                                                              {"LADDER_CPU_GEMM_TEMPLATES": "0"}),
     "generate --dtype bfloat16 --compile": (GENERATE + ["--dtype", "bfloat16", "--compile"], {}),
     "generate --dtype bfloat16 --compile, GEMM templates": (GENERATE + ["--dtype", "bfloat16", "--compile"],
                                                             {"LADDER_CPU_GEMM_TEMPLATES": "1"}),
@@ -90,7 +94,7 @@ def folder_mib(folder: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/compile_cache.jsonl")
+    parser.add_argument("--out", help="default: results/compile_cache/avx512.jsonl or avx2.jsonl, by this CPU")
     parser.add_argument("--cases", help="comma-separated names of CASES (default: all)")
     args = parser.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="ladder-compile-cache-"))
@@ -105,14 +109,15 @@ def main() -> None:
         run = run_serve if arguments[0] == "serve" else run_generate
         shutil.rmtree(cache / "inductor", ignore_errors=True)
         cold = run(arguments, env)
-        warm = run(arguments, env)
+        warm = run([ANOTHER_PROMPT if a == PROMPT else a for a in arguments], env)
         record = {"case": name, "cold": cold, "warm": warm, "cache_mib": folder_mib(cache / "inductor")}
         records.append(record)
         print(json.dumps(record), flush=True)
     shutil.rmtree(cache, ignore_errors=True)
     kind = "AVX-512 BF16 or AMX" if cpu_computes_in_bf16() else "no bf16 arithmetic (AVX2)"
     meta = {"model": MODEL, "cpu_kind": kind, "cores": os.cpu_count(), "env": environment(torch.device("cpu"))}
-    out = Path(args.out)
+    out = Path(args.out or f"results/compile_cache/{'avx512' if cpu_computes_in_bf16() else 'avx2'}.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
     ran = {r["case"] for r in records}  # a run of some cases replaces only their records
     kept = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
     records = [r for r in kept if r["case"] not in ran and r["case"] in CASES] + [{**r, **meta} for r in records]
@@ -128,8 +133,8 @@ def main() -> None:
             lines.append(f"| {r['case']} | {cold['compile_s']:.1f} / {warm['compile_s']:.1f} | "
                          f"{cold['first_token_s']:.1f} / {warm['first_token_s']:.1f} | "
                          f"{cold['decode_tokens_per_s']:.1f} / {warm['decode_tokens_per_s']:.1f} | {r['cache_mib']:.1f} |")
-    lines += ["", f"SmolLM2-135M-Instruct (GGUF, converted once before), 96 new tokens, batch 1. CPU: {kind}, "
-              f"{os.cpu_count()} cores. `.venv/bin/python experiments/compile_cache.py`."]
+    lines += ["", f"SmolLM2-135M-Instruct (GGUF, converted once before), 96 new tokens, batch 1; the second start "
+              f"with another prompt. CPU: {kind}, {os.cpu_count()} cores. `.venv/bin/python experiments/compile_cache.py`."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -18,9 +18,9 @@ from ladder.comm.distributed import check_ranks_agree, init_distributed, print_r
 from ladder.comm.launch import launch
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
-from ladder.options import CPU_DTYPE, DecodeStep, environment_value
+from ladder.options import CPU_DTYPE, CPU_GEMM_TEMPLATES, DecodeStep, environment_value
 from ladder.runtime.detokenizer import IncrementalDetokenizer
-from ladder.runtime.engine import Engine
+from ladder.runtime.engine import Engine, compiled_cache_length
 from ladder.runtime.limits import check_context, check_token_ids
 from ladder.runtime.sampling import SamplingParams
 
@@ -77,7 +77,12 @@ def compile_before_generating(engine: Engine, batch: int, max_seq: int) -> None:
     """Compile (or capture) the decode step at the generation's shape before the first token, saying so, so
     that the decode rate counts decode steps only and the compile has a line of its own."""
     engine.reserve(batch, max_seq)
-    info(f"ladder: compiling the {engine.step.value} decode step (minutes on a CPU the first time)...")
+    if engine.freezes_weights:  # the fastest step on AVX2, and the one a cache cannot spare a later start
+        info(f"ladder: compiling the {engine.step.value} decode step, its weights frozen into inductor's GEMM "
+             f"templates (minutes the first time, then about a minute each start; {CPU_GEMM_TEMPLATES}=0: "
+             "a slower step that a later start reads from the cache)...")
+    else:
+        info(f"ladder: compiling the {engine.step.value} decode step (minutes on a CPU the first time)...")
     with ticking("ladder: still compiling"):
         start = time.perf_counter()
         engine.warm_up()
@@ -115,8 +120,10 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
         engine = Engine(loaded.model, req.decode_step)
         loaded.model = engine.model  # the engine's view: the weights it packed replace the model's
         info(f"ladder: {settings_line(req.model, req.decode_step, ctx.device)}")
+        max_seq = None  # an eager step's cache: the prompt and its new tokens
         if req.decode_step is not DecodeStep.EAGER:
-            compile_before_generating(engine, prompt.shape[0], prompt.shape[1] + req.max_new_tokens)
+            max_seq = compiled_cache_length(prompt.shape[1] + req.max_new_tokens, loaded.model.config.max_seq_len)
+            compile_before_generating(engine, prompt.shape[0], max_seq)
         sampling = SamplingParams(req.temperature, req.top_k, req.top_p, req.model.seed)
         text_mode = req.prompt_ids is None
         stop_ids = tuple(req.stop_ids) + (tuple(tokenizer.stop_ids) if text_mode and tokenizer else ())
@@ -132,7 +139,7 @@ def generate_on_rank(req: GenerateRequest) -> list[list[int]]:
 
         if not text_mode and batch == 1:
             print_rank0("generated: ", end="")
-        result = engine.generate(prompt, req.max_new_tokens, sampling, stop_ids, on_token)
+        result = engine.generate(prompt, req.max_new_tokens, sampling, stop_ids, on_token, max_seq)
         if stream is not None:
             print_rank0(stream.flush())
         elif batch == 1:

@@ -35,7 +35,7 @@ from ladder.errors import LadderError
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.transformer import HALF_PRECISION, Transformer
 from ladder.options import DecodeStep, RuntimeOptions
-from ladder.runtime.compile import compile_step, use_compile_cache
+from ladder.runtime.compile import compile_step, use_compile_cache, uses_gemm_templates
 from ladder.runtime.cuda_graph import CudaGraphStep
 from ladder.runtime.limits import check_context, check_token_ids
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, row_generators, sample
@@ -137,6 +137,12 @@ class Engine:
         if self.step is DecodeStep.EAGER:
             return []
         return [(batch, kv_len) for batch in self.batch_sizes for kv_len in self.kv_lens]
+
+    @property
+    def freezes_weights(self) -> bool:
+        """Whether the compiled step freezes the weights (inductor's GEMM templates), which torch's caches
+        cannot hold whole: every start traces and freezes again (`ladder.runtime.compile`)."""
+        return self.step.compiles_step and uses_gemm_templates(self.options, self.device)
 
     @property
     def scratch_position(self) -> int:
@@ -264,6 +270,13 @@ def decode_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Te
 def kv_blocks(needed: int, max_seq: int) -> int:
     """Cache positions an eager forward reads: `needed` rounded up to whole blocks."""
     return min(max_seq, -(-needed // KV_BLOCK) * KV_BLOCK)
+
+
+def compiled_cache_length(needed: int, limit: int) -> int:
+    """The KV cache a compiled step of one generation is made for: `needed` positions rounded up to a power
+    of two (at least KV_BLOCK), at most `limit`. The step's shape is the cache's, so the next prompt of
+    another length reads the compiled step from torch's cache instead of compiling its own."""
+    return min(limit, max(KV_BLOCK, 1 << (needed - 1).bit_length()))
 
 
 def powers_of_two_up_to(least: int, most: int) -> list[int]:
