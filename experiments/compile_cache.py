@@ -8,7 +8,7 @@ shape made). Then the folder's size. One machine, one run, cases in turn.
 
     .venv/bin/python experiments/compile_cache.py
 
-Writes results/compile_cache/{avx512,avx2}.{jsonl,md}, by this CPU's kind (`--cases`: replaces only those
+Writes results/compile_cache/{avx512-bf16,avx2}.{jsonl,md}, by this CPU's kind (`--case NAME`, repeated: replaces only those
 cases' records).
 """
 
@@ -94,13 +94,16 @@ def folder_mib(folder: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="default: results/compile_cache/avx512.jsonl or avx2.jsonl, by this CPU")
-    parser.add_argument("--cases", help="comma-separated names of CASES (default: all)")
+    parser.add_argument("--out", help="default: results/compile_cache/avx512-bf16.jsonl or avx2.jsonl, by this CPU")
+    parser.add_argument("--case", action="append", dest="cases", help="a name of CASES, repeated for more (default: all)")
     args = parser.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="ladder-compile-cache-"))
     base = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     base.update(LADDER_CACHE_DIR=str(cache), OMP_NUM_THREADS=str(os.cpu_count()))
-    names = args.cases.split(",") if args.cases else list(CASES)
+    unknown = [name for name in args.cases or () if name not in CASES]
+    if unknown:
+        parser.error(f"unknown case {unknown[0]!r}; known: {'; '.join(CASES)}")
+    names = args.cases or list(CASES)
     run_generate(GENERATE[:-1] + ["1"], base)  # the GGUF converted into the cache before any case
     records = []
     for name in names:
@@ -116,7 +119,7 @@ def main() -> None:
     shutil.rmtree(cache, ignore_errors=True)
     kind = "AVX-512 BF16 or AMX" if cpu_computes_in_bf16() else "no bf16 arithmetic (AVX2)"
     meta = {"model": MODEL, "cpu_kind": kind, "cores": os.cpu_count(), "env": environment(torch.device("cpu"))}
-    out = Path(args.out or f"results/compile_cache/{'avx512' if cpu_computes_in_bf16() else 'avx2'}.jsonl")
+    out = Path(args.out or f"results/compile_cache/{'avx512-bf16' if cpu_computes_in_bf16() else 'avx2'}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     ran = {r["case"] for r in records}  # a run of some cases replaces only their records
     kept = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []

@@ -13,7 +13,7 @@ from ladder.options import CPU_GEMM_TEMPLATES, DECODE_ATTENTION, INDUCTOR_OPTION
 from ladder.quant.quantize import quantize_shard
 from ladder.runtime import compile as compile_module
 from ladder.runtime.compile import INDUCTOR_CACHE_DIR, uses_gemm_templates, weights_digest
-from ladder.runtime.engine import Engine
+from ladder.runtime.engine import Engine, compiled_cache_length
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.runtime.step_clock import StepClock
 
@@ -166,26 +166,33 @@ def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape_and_a_
     other tests of compiled steps leave them out: conftest.py). The templates run (here the only GEMM
     allowed: inductor offers them only with `cpp.weight_prepack` on). The weights are constants of the
     compiled graph, which inductor's cache keys by shape and ladder by a digest of the weights too: the
-    second model must not run the first one's, and the first one, compiled again (a later start), reads
-    its graph. int8 weights, as `--quantize int8`: no oneDNN-packed weight, which would keep the graph out
-    of the cache."""
+    second model must not run the first one's, and the first one, compiled again (a later start) for a
+    prompt of another length, reads its graph: the cache's length is rounded up as `ladder generate` rounds
+    it (`compiled_cache_length`). int8 weights, as `--quantize int8`: no oneDNN-packed weight, which would
+    keep the graph out of the cache."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv(CPU_GEMM_TEMPLATES, "1")
     monkeypatch.setenv(INDUCTOR_OPTIONS, '{"max_autotune_gemm_backends": "CPP"}')
     monkeypatch.setenv(INDUCTOR_CACHE_DIR, str(tmp_path / "inductor"))  # an empty cache
-    for start, seed in enumerate((0, 1, 0)):
+    for start, (seed, prompt) in enumerate(((0, PROMPT), (1, PROMPT), (0, PROMPT[:, :3]))):
         config = tiny(layout="ladder", n_layers=2, ladder_layers=1)
         model = random_model(config, LocalCommunicator(), CPU, torch.bfloat16, seed)
         quantize_shard(model, "int8")
-        eager = Engine(model).generate(PROMPT, 6).tokens
+        eager = Engine(model).generate(prompt, 6).tokens
         torch._dynamo.reset()  # what a new process starts with
         counters.clear()
         compiled = Engine(model, DecodeStep.COMPILED)
-        assert compiled.generate(PROMPT, 6).tokens == eager, f"seed {seed}"
+        max_seq = compiled_cache_length(prompt.shape[1] + 6, config.max_seq_len)
+        assert compiled.generate(prompt, 6, max_seq=max_seq).tokens == eager, f"seed {seed}"
         hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
         assert (hits > 0) == (start == 2), (start, dict(counters["inductor"]), dict(counters["aot_autograd"]))
         assert start == 2 or counters["inductor"]["cpp_templated_kernel_counter"] > 0, dict(counters["inductor"])
+
+
+def test_a_compiled_steps_cache_length_is_a_power_of_two_within_the_models_context():
+    assert [compiled_cache_length(n, 8192) for n in (1, 64, 65, 104, 128, 129)] == [64, 64, 128, 128, 128, 256]
+    assert compiled_cache_length(300, 200) == 200
 
 
 @pytest.mark.parametrize("computes_in_bf16, chosen, expected", [(True, None, False), (False, None, True),
