@@ -15,7 +15,7 @@ from ladder.errors import LadderError, Stopped
 from ladder.options import API_KEY, environment_value
 from ladder.runtime.limits import check_max_model_len
 from ladder.runtime.memory import parse_memory_setting
-from ladder.serve.settings import ServeSettings
+from ladder.serve.worker import ServeSettings, serve_on_rank
 
 
 
@@ -42,8 +42,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              kv_cache_memory=args.kv_cache_memory,
                              max_prefill_while_decoding=args.max_prefill_while_decoding)
     emulated = args.interconnect is not None
-    # the server (fastapi, uvicorn, pydantic: 0.3 s) only for this command, not at every command's start
-    from ladder.serve.worker import serve_on_rank
     try:
         launch(serve_on_rank, 1 if emulated else spec.tp, settings, device=spec.device, workers_catch_interrupt=True)
     except Stopped:  # SIGTERM to the launcher: it passed it on, and rank 0 shut the server down

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 import uvicorn
@@ -29,17 +30,37 @@ from ladder.comm.distributed import (DistContext, check_ranks_agree, from_every_
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
 from ladder.errors import LadderError
+from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
 from ladder.runtime.engine import Engine
 from ladder.runtime.limits import check_max_model_len
 from ladder.runtime.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
 from ladder.serve.api import ServerState, create_app
 from ladder.serve.metrics import ServerMetrics
 from ladder.serve.scheduler import Scheduler
-from ladder.serve.settings import ServeSettings
 from ladder.serve.steps import run_plan, share_plan
 
 
 ABORTED_STREAMS_END_S = 5  # after the drain: for aborted streams to send their last event
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model: ModelSpec
+    name: str  # the model's name in the API
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_model_len: int | None = None  # default: what fits the KV-cache budget, up to the model's max_seq_len
+    max_waiting: int = 256
+    max_num_batched_tokens: int = 2048  # one token per running request, the rest prompt chunks (vLLM's CPU default)
+    shutdown_timeout_s: float = 10.0
+    interconnect: str | None = None  # an emulated link: one process, rank 0's shard
+    link_scale: float = 1.0
+    decode_step: DecodeStep = DecodeStep.EAGER  # compiled or CUDA-graphed: fixed shapes, made at start-up
+    kv_cache_memory: str = "0.15"  # the KV cache's budget: a fraction of the memory available, or a size
+    api_key: str | None = field(default=None, repr=False)  # required on /v1/* when set; never printed
+    max_prefill_while_decoding: int = 0  # prompt tokens a step carries while requests decode (0: the budget's rest)
 
 
 def serve_on_rank(settings: ServeSettings) -> None:
