@@ -31,7 +31,7 @@ from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
-from ladder.options import DecodeStep
+from ladder.options import CPU_GEMM_TEMPLATES, DecodeStep
 from ladder.runtime.engine import Engine
 from ladder.runtime.limits import check_max_model_len
 from ladder.runtime.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
@@ -129,8 +129,10 @@ def _warm_up(engine: Engine) -> None:
     same point, before its first plan: the warm-up's forwards all-reduce."""
     if not engine.shapes:
         return
+    frozen = (f"; its weights frozen into inductor's GEMM templates, each shape compiles again at every start "
+              f"({CPU_GEMM_TEMPLATES}=0 or --compile-layers: a later start from the cache)" if engine.freezes_weights else "")
     say(f"ladder: making the {engine.step.value} decode step for {len(engine.shapes)} shapes (batch "
-        f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))})")
+        f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))}){frozen}")
     start = time.perf_counter()
     engine.warm_up(lambda done, of: say(f"ladder: {done} of {of} shapes made, {time.perf_counter() - start:.0f} s")
                    if of > 1 and done < of else None)
