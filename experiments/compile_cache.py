@@ -8,8 +8,8 @@ shape made). Then the folder's size. One machine, one run, cases in turn.
 
     .venv/bin/python experiments/compile_cache.py
 
-Writes results/compile_cache/{avx512-bf16,avx2}.{jsonl,md}, by this CPU's kind (`--case NAME`, repeated: replaces only those
-cases' records).
+Writes results/compile_cache/{avx512-bf16,avx2}.{jsonl,md}, by this CPU's kind (`--case NAME`, repeated:
+replaces only those cases' records).
 """
 
 import argparse
@@ -31,7 +31,8 @@ from ladder.bench.serve_load import StartedServer, free_port
 from ladder.model.config import cpu_computes_in_bf16
 
 MODEL = "smollm2-135m-instruct"
-PROMPT, ANOTHER_PROMPT = "A short history of the printing press:", "Tell me, in a few sentences, how a bicycle's gears work:"
+PROMPT = "A short history of the printing press:"
+ANOTHER_PROMPT = "Tell me, in a few sentences, how a bicycle's gears work:"  # another length: the second start
 GENERATE = ["generate", "--model", MODEL, "--prompt", PROMPT, "--max-new-tokens", "96"]
 CASES = {  # name: (ladder arguments, extra environment)
     "generate --quantize int8 --compile": (GENERATE + ["--quantize", "int8", "--compile"], {}),
@@ -95,7 +96,8 @@ def folder_mib(folder: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="default: results/compile_cache/avx512-bf16.jsonl or avx2.jsonl, by this CPU")
-    parser.add_argument("--case", action="append", dest="cases", help="a name of CASES, repeated for more (default: all)")
+    parser.add_argument("--case", action="append", dest="cases",
+                        help="a name of CASES, repeated for more (default: all)")
     args = parser.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="ladder-compile-cache-"))
     base = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
@@ -137,7 +139,8 @@ def main() -> None:
                          f"{cold['first_token_s']:.1f} / {warm['first_token_s']:.1f} | "
                          f"{cold['decode_tokens_per_s']:.1f} / {warm['decode_tokens_per_s']:.1f} | {r['cache_mib']:.1f} |")
     lines += ["", f"SmolLM2-135M-Instruct (GGUF, converted once before), 96 new tokens, batch 1; the second start "
-              f"with another prompt. CPU: {kind}, {os.cpu_count()} cores. `.venv/bin/python experiments/compile_cache.py`."]
+              f"with another prompt. CPU: {kind}, {os.cpu_count()} cores. "
+              "`.venv/bin/python experiments/compile_cache.py`."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

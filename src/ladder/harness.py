@@ -18,6 +18,7 @@ any other lm-eval task runs where its dataset can be fetched.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ def offline_tasks_dir() -> Path:
     return Path(str(resources.files("ladder") / "data" / "lm_eval_tasks"))
 
 
-def task_manager(tasks: list[str], include_paths: list[str] = ()) -> Any:
+def task_manager(tasks: Sequence[str], include_paths: Sequence[str] = ()) -> Any:
     """lm-eval's `TaskManager` for `tasks`: ladder's offline tasks and the user's folders alone where they
     hold every task asked for, else with lm-eval's own (indexing its 14,000-odd task files takes seconds,
     on every rank)."""

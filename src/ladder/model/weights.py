@@ -127,7 +127,7 @@ def build_model(config: ModelConfig, comm: Communicator, device: torch.device,
 def _allocate(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
     """`module.to_empty(device=device)`: uninitialised tensors of its parameters' and buffers' shapes. Not
     through `to_empty`, whose `empty_like` of a meta tensor runs torch's Python reference, which imports
-    sympy (0.5 s of every start on a 2-core AVX2 EPYC, and nothing else in an eager run needs it)."""
+    sympy: part of every start that nothing else in an eager run needs (docs/configuration.md)."""
     module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), recurse=recurse)
 
 

@@ -129,8 +129,10 @@ def _warm_up(engine: Engine) -> None:
     same point, before its first plan: the warm-up's forwards all-reduce."""
     if not engine.shapes:
         return
-    frozen = (f"; its weights frozen into inductor's GEMM templates, each shape compiles again at every start "
-              f"({CPU_GEMM_TEMPLATES}=0 or --compile-layers: a later start from the cache)" if engine.freezes_weights else "")
+    frozen = ""
+    if engine.freezes_weights:  # torch's caches cannot hold a frozen step whole (ladder.runtime.compile)
+        frozen = (f"; its weights frozen into inductor's GEMM templates, each shape compiles again at every start "
+                  f"({CPU_GEMM_TEMPLATES}=0 or --compile-layers: a later start from the cache)")
     say(f"ladder: making the {engine.step.value} decode step for {len(engine.shapes)} shapes (batch "
         f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))}){frozen}")
     start = time.perf_counter()
