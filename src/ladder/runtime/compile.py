@@ -18,7 +18,7 @@ from ladder.comm.emulated import trace_emulated_launches
 from ladder.cpu.inductor_fix import keep_mutation_renames
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.transformer import KVCache
-from ladder.options import RuntimeOptions, cache_root
+from ladder.options import CPU_GEMM_TEMPLATES as TEMPLATES_VARIABLE, RuntimeOptions, cache_root
 
 INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -71,6 +71,13 @@ def uses_gemm_templates(options: RuntimeOptions, device: torch.device) -> bool:
     if device.type != "cpu":
         return False
     return options.cpu_gemm_templates if options.cpu_gemm_templates is not None else not cpu_computes_in_bf16()
+
+
+def frozen_step_note() -> str:
+    """What a start-up line says of a step whose weights are frozen (`Engine.freezes_weights`)."""
+    return (f"its weights frozen into inductor's GEMM templates, which torch's caches cannot hold whole: it "
+            f"compiles again at every start ({TEMPLATES_VARIABLE}=0 or --compile-layers: a slower step that a "
+            "later start reads from the cache)")
 
 
 def guards_off_the_model(guards: list[Any]) -> list[bool]:

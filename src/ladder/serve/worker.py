@@ -31,7 +31,8 @@ from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
-from ladder.options import CPU_GEMM_TEMPLATES, DecodeStep
+from ladder.options import DecodeStep
+from ladder.runtime.compile import frozen_step_note
 from ladder.runtime.engine import Engine
 from ladder.runtime.limits import check_max_model_len
 from ladder.runtime.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
@@ -129,10 +130,7 @@ def _warm_up(engine: Engine) -> None:
     same point, before its first plan: the warm-up's forwards all-reduce."""
     if not engine.shapes:
         return
-    frozen = ""
-    if engine.freezes_weights:  # torch's caches cannot hold a frozen step whole (ladder.runtime.compile)
-        frozen = (f"; its weights frozen into inductor's GEMM templates, each shape compiles again at every start "
-                  f"({CPU_GEMM_TEMPLATES}=0 or --compile-layers: a later start from the cache)")
+    frozen = f"; {frozen_step_note()}" if engine.freezes_weights else ""
     say(f"ladder: making the {engine.step.value} decode step for {len(engine.shapes)} shapes (batch "
         f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))}){frozen}")
     start = time.perf_counter()
