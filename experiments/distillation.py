@@ -30,6 +30,7 @@ without P2P.
     .venv/bin/python experiments/distillation.py --recipes distill --ladder-layers 8,15 \
         --data answers:builtin,shakespeare:train,python-source --tag mix    # a third of Python's own source
     .venv/bin/python experiments/distillation.py --lm-eval       # lm-eval's offline tasks on every run's model
+    .venv/bin/python experiments/distillation.py --references    # the original against its rounded copies
     .venv/bin/python experiments/distillation.py --report        # the table and picture from the results
 
 Writes results/distillation.{jsonl,md,png} (a record per recipe and N, replaced when re-run); run
@@ -75,6 +76,8 @@ SWEEP = (0, 4, 8, 12, 15, 20, 30)  # the N of "which N to pick"
 FRONT_SERIES = {"calibrate": "calibrated, no training", "distill": "distilled (28 min)",
                 "distill-calibrated": "calibrated, then distilled (28 min)"}  # recipe: its label in "which N"
 CALIBRATION_S = 75  # per 16,384 tokens on these two cores (68 s measured): planned out of the budget
+# The original with its weights rounded as users already run it: how close "close" is (`--references`)
+REFERENCE = "reference: "  # the recipe of a reference record, before its label
 
 
 def recipe_config(recipe: str, n: int, steps: int, args: argparse.Namespace, out_dir: Path) -> TrainConfig:
@@ -215,6 +218,8 @@ def main() -> None:
     parser.add_argument("--runs-dir", default="runs/distill")
     parser.add_argument("--out", default="results/distillation.jsonl")
     parser.add_argument("--report", action="store_true", help="only rewrite the table and picture")
+    parser.add_argument("--references", action="store_true",
+                        help="measure the original against copies of itself with bf16 and int8 rounded weights")
     parser.add_argument("--lm-eval", action="store_true",
                         help="score every recorded run (and the original) on lm-eval's ladder_offline tasks")
     parser.add_argument("--lm-eval-recipes", default="original,distill,ce", help="--lm-eval: only these recipes")
@@ -223,6 +228,8 @@ def main() -> None:
     out = Path(args.out)
     if args.lm_eval:
         score_with_lm_eval(out, args.lm_eval_recipes.split(","), args.lm_eval_limit)
+    elif args.references:
+        measure_references(args, out)
     elif not args.report:
         run_all(args, out)
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -271,6 +278,43 @@ def run_all(args: argparse.Namespace, out: Path) -> None:
             keep(record)
 
 
+def rounded_bf16(w: torch.Tensor) -> torch.Tensor:
+    return w.bfloat16().float()
+
+
+def rounded_int8(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric, a scale per row (`--quantize int8`)."""
+    scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+    return (w / scale).round().clamp(-128, 127) * scale
+
+
+# (not int4: the GGUF that SmolLM2 comes from stores its layers in Q4_1, groups of 32 with a scale and a minimum,
+# so rounding them as `--quantize int4` does gives them back unchanged)
+REFERENCES = {"bf16": rounded_bf16, "int8": rounded_int8}
+
+
+@torch.no_grad()
+def measure_references(args: argparse.Namespace, out: Path) -> None:
+    """The original against copies of itself whose layers' linear weights are rounded as a user's
+    quantization rounds them (computed in float32, so only the rounding counts), on the same held-out tokens
+    and measures as the runs: the agreement and KL that a rounding users already accept costs."""
+    loaded = load(MODEL)
+    texts = held_out(loaded.tokenizer, args.tokens)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for label, rounded in REFERENCES.items():
+        copy = load(MODEL).model
+        for layer in copy.layers:
+            for linear in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+                linear.weight.copy_(rounded(linear.weight.float()))
+        quality = {name: compare(copy, loaded.model, ids, 512, progress=False) for name, ids in texts.items()}
+        record = {"recipe": f"{REFERENCE}{label}", "ladder_layers": 0, "run": f"layers' weights rounded to {label}",
+                  "quality": {name: {k: q[k] for k in ("perplexity", "reference_perplexity", "agreement", "kl")}
+                              for name, q in quality.items()}}
+        records = [r for r in records if r["recipe"] != record["recipe"]] + [record]
+        out.write_text("".join(json.dumps(r) + "\n" for r in records))
+        print(json.dumps(record), flush=True)
+
+
 LM_EVAL_TASKS = ["ladder_offline"]
 
 
@@ -302,7 +346,9 @@ def write_report(records: list[dict], out: Path, args: argparse.Namespace) -> No
     """results/distillation.md and .png from the records."""
     original = next(r for r in records if r["recipe"] == "original")
     domains = list(original["quality"])
-    runs = sorted((r for r in records if r["recipe"] != "original"), key=lambda r: (r["recipe"], r["ladder_layers"]))
+    references = [r for r in records if r["recipe"].startswith(REFERENCE)]
+    runs = sorted((r for r in records if r["recipe"] != "original" and r not in references),
+                  key=lambda r: (r["recipe"], r["ladder_layers"]))
     lines = ["# Distillation against cross-entropy, and which N to pick", "",
              f"SmolLM2-135M-Instruct with ladder on its last N of 30 layers; each run trains the converted layers "
              f"for {args.minutes:g} minutes on two CPU cores (the steps that fit, from a probe of the speed). Measured "
@@ -323,6 +369,16 @@ def write_report(records: list[dict], out: Path, args: argparse.Namespace) -> No
                      + f" | {r['train_tokens']:,} | {minutes(r)} | {target_verdict(r, domains)} |")
     lines += ["", "Each run's recipe (`ladder train` settings; trainable: the converted layers):", ""]
     lines += [f"- {r['recipe']} N={r['ladder_layers']}: {recipe_summary(r['settings'])}" for r in runs]
+    if references:
+        header = " | ".join(f"{d}: perplexity vs original | agreement | KL" for d in domains)
+        lines += ["", "How close the targets ask: the original against its own copies with rounded weights (no ladder "
+                  "layer), measured the same way (`--references`):", "",
+                  f"| copy of the original | {header} |", "|---|" + "---|---|---|" * len(domains)]
+        for r in references:
+            cells = [f"{q['perplexity']:.2f} vs {q['reference_perplexity']:.2f} "
+                     f"({q['perplexity'] / q['reference_perplexity'] - 1:+.1%}) | {q['agreement']:.1%} | {q['kl']:.4f}"
+                     for q in (r["quality"][d] for d in domains)]
+            lines.append(f"| {r['run']} | " + " | ".join(cells) + " |")
     lines += ["", "Before training (converted, no retraining):", "",
               "| N | " + " | ".join(f"{d}: perplexity (vs original) | agreement" for d in domains) + " |",
               "|---|" + "---|---|" * len(domains)]
