@@ -454,7 +454,7 @@ def target_verdict(r: dict, domains: list[str]) -> str:
     worst = max(r["quality"][d]["perplexity"] / r["quality"][d]["reference_perplexity"] - 1 for d in domains)
     lowest = min(r["quality"][d]["agreement"] for d in domains)
     ok = worst <= within and lowest >= agree
-    return f"{'met' if ok else 'missed'} (<= {within:.0%}, >= {agree:.0%})"
+    return f"{'met' if ok else 'missed'}: worst {worst:+.1%} (<= {within:.0%}), lowest {lowest:.1%} (>= {agree:.0%})"
 
 
 def front_cell(r: dict | None, domains: list[str]) -> str:
