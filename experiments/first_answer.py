@@ -12,7 +12,7 @@ chat template, greedy, a thread per core).
 
     .venv/bin/python experiments/first_answer.py --rounds 3 [--llama-cpp-python /tmp/llama/bin/python]
 
-Writes results/first_answer.{jsonl,md}.
+Writes results/first_answer.{jsonl,md}: a record and a table per CPU kind (a run replaces its kind's).
 """
 
 import argparse
@@ -113,19 +113,33 @@ def main() -> None:
     out = Path(args.out)
     record = {"model": MODEL, "question": QUESTION, "seconds": times, "cpu": cpu_description(),
               "env": environment(torch.device("cpu"))}
-    out.write_text(json.dumps(record) + "\n")
-    lines = ["| command (SmolLM2-135M-Instruct GGUF, `--chat`, CPU) | first token printed, s (median) | runs |",
+    kind = record["env"]["cpu_kind"]
+    kept = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    records = sorted([r for r in kept if r["env"]["cpu_kind"] != kind] + [record], key=lambda r: r["env"]["cpu_kind"])
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = ["# Time to the first answer, a table per CPU kind", ""]
+    for r in records:
+        lines += table(r)
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(table(record)))
+
+
+def table(record: dict) -> list[str]:
+    """A CPU kind's section: each command's median and runs, and how they were measured."""
+    times = record["seconds"]
+    rounds = len(next(iter(times.values())))
+    llama = any(name.startswith("llama.cpp") for name in times)
+    lines = [f"## {record['env']['cpu_kind']}", "",
+             "| command (SmolLM2-135M-Instruct GGUF, `--chat`, CPU) | first token printed, s (median) | runs |",
              "|---|---|---|"]
     lines += [f"| {name} | {statistics.median(t):.2f} | {', '.join(f'{x:.2f}' for x in t)} |" for name, t in times.items()]
     peer = (" llama.cpp computes on the GGUF's Q4_1 weights (ladder and transformers dequantize them to float32);"
-            " its greedy answer differs." if args.llama_cpp_python else "")
-    lines += ["", f"{args.rounds} rounds in turns; from the command started to its first byte of answer on stdout.{peer} "
-              f"CPU: {record['cpu']}. "
-              f"`.venv/bin/python experiments/first_answer.py --rounds {args.rounds}"
-              f"{' --llama-cpp-python PYTHON' if args.llama_cpp_python else ''}`."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+            " its greedy answer differs." if llama else "")
+    lines += ["", f"{rounds} rounds in turns; from the command started to its first byte of answer on stdout.{peer} "
+              f"CPU: {record['cpu']}; commit {record['env'].get('git_commit', 'unknown')}. "
+              f"`.venv/bin/python experiments/first_answer.py --rounds {rounds}"
+              f"{' --llama-cpp-python PYTHON' if llama else ''}`.", ""]
+    return lines
 
 if __name__ == "__main__":
     main()
