@@ -57,6 +57,7 @@ from ladder.harness import ladder_lm, task_manager
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.spec import ModelSpec
 from ladder.predict.costmodel import get_gpu, predict_table
+from ladder.quant.quantize import block_linears
 from ladder.runtime.completions import complete
 from ladder.runtime.engine import Engine
 from ladder.runtime.sampling import SamplingParams
@@ -303,9 +304,8 @@ def measure_references(args: argparse.Namespace, out: Path) -> None:
     records = [json.loads(line) for line in out.read_text().splitlines()]
     for label, rounded in REFERENCES.items():
         copy = load(MODEL).model
-        for layer in copy.layers:
-            for linear in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
-                linear.weight.copy_(rounded(linear.weight.float()))
+        for _, linear in block_linears(copy):
+            linear.weight.copy_(rounded(linear.weight.float()))
         quality = {name: compare(copy, loaded.model, ids, 512, progress=False) for name, ids in texts.items()}
         record = {"recipe": f"{REFERENCE}{label}", "ladder_layers": 0, "run": f"layers' weights rounded to {label}",
                   "quality": {name: {k: q[k] for k in ("perplexity", "reference_perplexity", "agreement", "kl")}
@@ -347,7 +347,7 @@ def write_report(records: list[dict], out: Path, args: argparse.Namespace) -> No
     original = next(r for r in records if r["recipe"] == "original")
     domains = list(original["quality"])
     references = [r for r in records if r["recipe"].startswith(REFERENCE)]
-    runs = sorted((r for r in records if r["recipe"] != "original" and r not in references),
+    runs = sorted((r for r in records if r["recipe"] != "original" and not r["recipe"].startswith(REFERENCE)),
                   key=lambda r: (r["recipe"], r["ladder_layers"]))
     lines = ["# Distillation against cross-entropy, and which N to pick", "",
              f"SmolLM2-135M-Instruct with ladder on its last N of 30 layers; each run trains the converted layers "

@@ -141,5 +141,6 @@ def table(record: dict) -> list[str]:
               f"{' --llama-cpp-python PYTHON' if llama else ''}`.", ""]
     return lines
 
+
 if __name__ == "__main__":
     main()

@@ -25,7 +25,7 @@ def main() -> None:
     torch.manual_seed(0)
     reduction = torch.compile(as_reduction, dynamic=False, fullgraph=True)
     totals = {"int8 kernel": 0.0, "compiled reduction": 0.0}
-    print(f"| linear | out x in | layers | int8 kernel ms | compiled reduction ms | max difference |")
+    print("| linear | out x in | layers | int8 kernel ms | compiled reduction ms | max difference |")
     print("|---|---|---|---|---|---|")
     for name, ((n, k), count) in SHAPES.items():
         x = torch.randn(1, k, dtype=torch.bfloat16)
