@@ -39,9 +39,9 @@ VARIABLES = (
     Variable(CPU_DTYPE, "bfloat16 on a CPU with bf16 arithmetic (AVX-512 BF16, AMX), else float32",
              "The dtype on a CPU when `--dtype` is not given: float32, bfloat16 or float16."),
     Variable(CPU_GEMM_TEMPLATES, "1 on a CPU without bf16 arithmetic (AVX2), else 0",
-             "1: a compiled CPU step freezes the weights into inductor's C++ GEMM templates (faster on AVX2; a "
-             "later start compiles again for 20-50 s; the cache entry holds the packed weights); 0: inductor's "
-             "default GEMMs, weights as inputs (a later start reads the whole compiled step from the cache)."),
+             "1: a compiled CPU step takes the weights as constants of its graph, packed into inductor's C++ GEMM "
+             "templates (faster on AVX2; the cache entry holds the packed weights); 0: inductor's default GEMMs, "
+             "weights as inputs. Either way a later start reads the whole compiled step from the cache."),
     Variable(DECODE_ATTENTION, "products for a compiled step on a CPU, else sdpa",
              "A decode step's attention: sdpa (ATen), products (one loop nest, for compiled CPU steps) or flex "
              "(FlexAttention, compiled only)."),
@@ -147,7 +147,7 @@ class RuntimeOptions:
 
     step: DecodeStep = DecodeStep.EAGER
     decode_attention: str | None = None
-    cpu_gemm_templates: bool | None = None  # frozen weights in inductor's C++ GEMM templates; None: per CPU kind
+    cpu_gemm_templates: bool | None = None  # constant weights in inductor's C++ GEMM templates; None: per CPU kind
     inductor_options: Mapping[str, Any] = field(default_factory=dict)  # added to every compile of a step
 
     def __post_init__(self) -> None:

@@ -19,7 +19,6 @@ from ladder.comm.launch import launch
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
 from ladder.options import CPU_DTYPE, DecodeStep, environment_value
-from ladder.runtime.compile import frozen_step_note
 from ladder.runtime.detokenizer import IncrementalDetokenizer
 from ladder.runtime.engine import Engine, compiled_cache_length
 from ladder.runtime.limits import check_context, check_token_ids
@@ -78,8 +77,8 @@ def compile_before_generating(engine: Engine, batch: int, max_seq: int) -> None:
     """Compile (or capture) the decode step at the generation's shape before the first token, saying so, so
     that the decode rate counts decode steps only and the compile has a line of its own."""
     engine.reserve(batch, max_seq)
-    cost = f", {frozen_step_note()}" if engine.freezes_weights else " (minutes on a CPU the first time)"
-    info(f"ladder: compiling the {engine.step.value} decode step{cost}...")
+    info(f"ladder: compiling the {engine.step.value} decode step (minutes on a CPU the first time, seconds "
+         "once torch's cache holds it)...")
     with ticking("ladder: still compiling"):
         start = time.perf_counter()
         engine.warm_up()

@@ -15,7 +15,8 @@ torchao's eager int8 linear casts the whole weight to the activations' dtype eve
 kernel instead, the one a compiled step reaches through inductor's pattern, for bf16 and fp16 activations;
 with fp32 ones that kernel is not vectorized (8.5x slower than bf16 here: 2 GB/s), and the weight is
 dequantized a block of rows at a time instead. int4 keeps torchao's layer, and so does a compiled step,
-where inductor's pattern turns torchao's int8 layer into that kernel.
+where inductor's pattern turns torchao's int8 layer into that kernel, unless the step's weights are
+constants of its graph (`Int8MatmulLinear`).
 
 PyTorch has no bf16 matrix kernel for AVX2, so on such a CPU each row of a bf16 linear is one more pass
 over the weight, while an upcast weight is read once more than the half one: `UpcastLinear` multiplies
@@ -109,6 +110,23 @@ class Int8RowLinear(nn.Module):
         return y
 
 
+class Int8MatmulLinear(nn.Module):
+    """torchao's int8 weight-only layer as the plain tensors torch's int8 kernel takes, for a compiled step
+    whose weights are constants of its graph (`ladder.runtime.compile`): inductor packs a constant int8
+    weight into its C++ GEMM template; a tensor subclass stays an input of the graph, on torch's kernel.
+    `dtype`: the activations' (the kernel's scales are in it). The int8 rows are the torchao layer's own."""
+
+    def __init__(self, layer: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        weight = layer.weight
+        self.qdata = nn.Parameter(weight.qdata.detach(), requires_grad=False)
+        self.scale = nn.Parameter(weight.scale.detach().reshape(-1).to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.qdata, self.scale)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 @functools.cache
 def packing_works(dtype: torch.dtype) -> bool:
     """Whether this CPU and torch build pack `dtype` weights: oneDNN is in every x86 and ARM build of
@@ -122,21 +140,26 @@ def packing_works(dtype: torch.dtype) -> bool:
     return True
 
 
-def linear_forms(view: Transformer, pack: bool, int8_rows: bool, upcast: bool) -> bool:
+def linear_forms(view: Transformer, pack: bool, int8_rows: bool, upcast: bool, int8_matmul: bool = False) -> bool:
     """Put a view's linear layers (`Transformer.view`: its layers are its own) in the forms its forwards
     compute fastest: plain ones packed (`pack`: an eager CPU step; not where packing does not work), int8
-    ones as `Int8RowLinear` (`int8_rows`: an eager CPU forward), plain half-precision ones not packed as
-    `UpcastLinear` (`upcast`: a CPU without bf16 arithmetic). Whether the plain ones end packed."""
+    ones as `Int8RowLinear` (`int8_rows`: an eager CPU forward) or `Int8MatmulLinear` (`int8_matmul`: a
+    compiled step with constant weights), plain half-precision ones not packed as `UpcastLinear` (`upcast`:
+    a CPU without bf16 arithmetic). Whether the plain ones end packed."""
     dtype = view.tok_embeddings.weight.dtype  # the activations'
     pack = pack and packing_works(dtype)
     compute = torch.float32 if upcast and dtype in HALF_PRECISION else None
-    convert_linears(view, functools.partial(linear_form, pack=pack, int8_rows=int8_rows, compute_dtype=compute))
+    convert_linears(view, functools.partial(linear_form, pack=pack, int8_rows=int8_rows, compute_dtype=compute,
+                                            int8_matmul=dtype if int8_matmul else None))
     return pack
 
 
-def linear_form(layer: nn.Module, pack: bool, int8_rows: bool, compute_dtype: torch.dtype | None) -> nn.Module:
+def linear_form(layer: nn.Module, pack: bool, int8_rows: bool, compute_dtype: torch.dtype | None,
+                int8_matmul: torch.dtype | None = None) -> nn.Module:
     if int8_rows and is_int8_per_row(layer.weight):
         return Int8RowLinear(layer, compute_dtype)
+    if int8_matmul is not None and is_int8_per_row(layer.weight):
+        return Int8MatmulLinear(layer, int8_matmul)
     if is_quantized(layer):
         return layer  # int4, and int8 in a compiled step: torchao's kernels
     if pack:

@@ -1,5 +1,5 @@
 """A decode step compiled as one graph (`--compile`): inductor's settings for it, its guards, and its
-frozen weights on a CPU. (`--compile-layers` compiles each layer instead: `Transformer.compile_layers`.)"""
+weights as constants of the graph on a CPU. (`--compile-layers` compiles each layer instead: `Transformer.compile_layers`.)"""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import functools
 import hashlib
 import itertools
 import os
+import unittest.mock
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,19 +19,18 @@ from ladder.comm.emulated import trace_emulated_launches
 from ladder.cpu.inductor_fix import keep_mutation_renames
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.transformer import KVCache
-from ladder.options import CPU_GEMM_TEMPLATES as TEMPLATES_VARIABLE, RuntimeOptions, cache_root
+from ladder.options import RuntimeOptions, cache_root
 
 INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 
-# A compiled CPU step can freeze the weights (constants of the graph) so that inductor can pick its C++ GEMM
+# A compiled CPU step can take the weights as constants of its graph so that inductor can pick its C++ GEMM
 # templates: weights repacked once into blocks, the int8 dequantization and scale fused into the GEMM.
-# SmolLM2 at batch 1 on an AVX2 CPU (docs/quantization.md): int8 bf16 45-52 tokens/s against 37 on torch's
-# `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. A frozen step cannot come whole from
-# torch's caches (AOTAutograd's refuses freezing): a later start compiles for 20-50 s, where an unfrozen
-# step is read back in 6 s. On a CPU with bf16 arithmetic the templates are not measured (the runs there
-# had them switched off by `cpp.weight_prepack`, see `_with_frozen_weights`), so they are on by default
-# only where bf16 arithmetic is missing (`uses_gemm_templates`).
-# (inductor reads `freezing` outside a compile's options: `_with_frozen_weights` sets it.)
+# SmolLM2 at batch 1 on an AVX2 CPU (docs/quantization.md): int8 bf16 45-58 tokens/s against 34-37 on
+# torch's `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. inductor's own way there,
+# freezing, keeps a graph out of AOTAutograd's cache, so a later start traced and froze again for 46-52 s;
+# `_weights_as_constants` makes the constants itself and the whole step comes back from torch's caches.
+# On a CPU with bf16 arithmetic the templates are not measured, so they are on by default only where bf16
+# arithmetic is missing (`uses_gemm_templates`).
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -60,24 +60,19 @@ def compile_step(step: Callable[..., torch.Tensor], device: torch.device, option
     keep_mutation_renames()
     # Entries of its own (torch.compile shares them among every compile of one function), so that the
     # guards on the model can go: they would be checked each step, and this engine's model never changes.
-    compiled = torch.compile(step, fullgraph=True, options={**inductor, "guard_filter_fn": guards_off_the_model},
+    settings = {"guard_filter_fn": guards_off_the_model}
+    if templates:
+        return torch.compile(step, fullgraph=True, backend=_weights_as_constants(model, inductor), options=settings,
                              isolate_recompiles=True)
-    return _with_frozen_weights(compiled, model) if templates else compiled
+    return torch.compile(step, fullgraph=True, options={**inductor, **settings}, isolate_recompiles=True)
 
 
 def uses_gemm_templates(options: RuntimeOptions, device: torch.device) -> bool:
-    """Whether a compiled step freezes its weights into inductor's C++ GEMM templates: on a CPU, where the
-    user says so (`LADDER_CPU_GEMM_TEMPLATES`), else where the CPU has no bf16 arithmetic (the comment above)."""
+    """Whether a compiled step takes its weights as constants, packed into inductor's C++ GEMM templates: on
+    a CPU, where the user says so (`LADDER_CPU_GEMM_TEMPLATES`), else where the CPU has no bf16 arithmetic (the comment above)."""
     if device.type != "cpu":
         return False
     return options.cpu_gemm_templates if options.cpu_gemm_templates is not None else not cpu_computes_in_bf16()
-
-
-def frozen_step_note() -> str:
-    """What a start-up line says of a step whose weights are frozen (`Engine.freezes_weights`)."""
-    return (f"its weights frozen into inductor's GEMM templates, which torch's caches cannot hold whole: it "
-            f"compiles again at every start ({TEMPLATES_VARIABLE}=0 or --compile-layers: a slower step that a "
-            "later start reads from the cache)")
 
 
 def guards_off_the_model(guards: list[Any]) -> list[bool]:
@@ -89,30 +84,66 @@ def guards_off_the_model(guards: list[Any]) -> list[bool]:
             or (guard.guard_type == "TENSOR_MATCH" and "._buffers[" in guard.name) for guard in guards]
 
 
-def _with_frozen_weights(compiled: Callable[..., torch.Tensor], model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """`compiled`, compiling (at its first call, and at each recompile) with `model`'s weights frozen: an
-    engine serves fixed weights, and the prefill, eager, reads the model's own.
+def _weights_as_constants(model: torch.nn.Module, inductor: dict[str, Any]) -> Callable[..., Any]:
+    """A torch.compile backend: inductor, `inductor` its settings, with `model`'s parameters as constants of
+    the graph (an engine serves fixed weights; the prefill, eager, reads the model's own) so that its GEMM
+    templates can pack them. inductor's freezing would do this, but AOTAutograd's cache refuses a frozen
+    graph; constants of the graph it holds, and a later start reads the whole step back.
 
-    Inductor's FX graph cache keys frozen weights by their shapes: a hit gave a second model of one shape
+    inductor's caches key constants like these by their shapes only: a hit gave a second model of one shape
     the first one's weights (tests/test_engine.py). So a digest of every byte of the weights goes into the
     key (torch's `cache_key_tag`), and a later start with the same weights reads the graph; other weights
-    compile their own. `cpp.weight_prepack` stays on: inductor offers its GEMM templates only with it
-    (`use_cpp_gemm_template`). With it off (from 102f339 until this was found), every int8 GEMM ran
-    torch's kernel: SmolLM2 int8 at 37.4 tokens/s on a 2-core AVX2 EPYC, 45.1 with the templates (a later
-    start, from the cache, took 51 s either way). With ladder's cache off, nothing is written."""
-    import torch._inductor.config as inductor_config
+    compile their own. With ladder's cache off, nothing is written."""
+    from torch._inductor.compile_fx import compile_fx
 
-    settings: dict[str, Any] = {}  # fixed at the first call (an engine built and not run digests nothing)
+    constants = _constant_parameters(model)
+    digest = functools.cache(lambda: weights_digest(model))  # at the first compile: an engine not run digests nothing
 
-    @functools.wraps(compiled)
-    def step(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if not settings:
-            cached = cache_root() is not None
-            settings.update(inductor={"freezing": True, "fx_graph_cache": cached},
-                            tag=f"ladder-weights-{weights_digest(model)}" if cached else "")
-        with inductor_config.patch(settings["inductor"]), torch.compiler.config.patch(cache_key_tag=settings["tag"]):
-            return compiled(*args, **kwargs)
-    return step
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        kept = [i for i, value in enumerate(example_inputs) if id(value) not in constants]
+        graph = _inputs_as_constants(graph, example_inputs, constants)
+        cached = cache_root() is not None
+        fake_mode = torch._guards.TracingContext.get().fake_mode  # the constants are real tensors
+        with torch.compiler.config.patch(cache_key_tag=f"ladder-weights-{digest()}" if cached else ""), \
+                unittest.mock.patch.object(fake_mode, "allow_non_fake_inputs", True):
+            compiled = compile_fx(graph, [example_inputs[i] for i in kept],
+                                  config_patches={**inductor, "fx_graph_cache": cached})
+        return lambda *args: compiled(*[args[i] for i in kept])
+    return backend
+
+
+def _constant_parameters(model: torch.nn.Module) -> set[int]:
+    """The ids of the tensors a step takes as constants: the model's plain parameters (its linear layers',
+    its norms'), not the embedding table unless the head reads it too (a table only looked up gains nothing
+    and would be copied into every cache entry), nor tensor subclasses, nor buffers (the KV caches change)."""
+    table = getattr(getattr(model, "tok_embeddings", None), "weight", None)
+    head = {id(p) for p in model.output.parameters()} if hasattr(model, "output") else set()
+    return {id(p) for p in model.parameters()
+            if not is_traceable_wrapper_subclass(p) and (p is not table or id(p) in head)}
+
+
+def _inputs_as_constants(graph: torch.fx.GraphModule, example_inputs: list[Any],
+                         constants: set[int]) -> torch.fx.GraphModule:
+    """A copy of dynamo's graph (dynamo calls its own with every input) whose inputs among `constants` are
+    attributes read by `get_attr`, each marked as inductor marks a frozen parameter (its cache key reads the
+    shape, not every value: the digest covers them)."""
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(graph.graph, {}))
+    module = torch.fx.GraphModule(graph, copy)
+    module.meta.update(graph.meta)
+    for i, (node, value) in enumerate(zip(copy.find_nodes(op="placeholder"), example_inputs)):
+        if id(value) in constants:
+            name = f"ladder_constant_{i}"
+            tensor = value.detach()
+            tensor._is_frozen_param = True
+            setattr(module, name, tensor)  # a plain attribute: AOTAutograd lifts parameters and buffers to inputs
+            with copy.inserting_before(node):
+                attribute = copy.create_node("get_attr", name)
+            attribute.meta.update(node.meta)
+            node.replace_all_uses_with(attribute)
+            copy.erase_node(node)
+    module.recompile()
+    return module
 
 
 @torch.no_grad()

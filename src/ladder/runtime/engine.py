@@ -107,7 +107,8 @@ class Engine:
         self._step_model = self.model
         if step.compiles_step or step.compiles_layers:
             self._step_model = model.view().eval()  # plain weights (inductor lays them out itself), torchao's int8
-            linear_forms(self._step_model, pack=False, int8_rows=False, upcast=upcast)
+            linear_forms(self._step_model, pack=False, int8_rows=False, upcast=upcast,
+                         int8_matmul=step.compiles_step and uses_gemm_templates(options, self.device))
             self._step_model.attend_with(options.decode_attention_on(self.device.type), compute_dtype)
         self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, self._step_model)
         if step.compiles_step or step.compiles_layers:
@@ -137,12 +138,6 @@ class Engine:
         if self.step is DecodeStep.EAGER:
             return []
         return [(batch, kv_len) for batch in self.batch_sizes for kv_len in self.kv_lens]
-
-    @property
-    def freezes_weights(self) -> bool:
-        """Whether the compiled step freezes the weights (inductor's GEMM templates), which torch's caches
-        cannot hold whole: every start traces and freezes again (`ladder.runtime.compile`)."""
-        return self.step.compiles_step and uses_gemm_templates(self.options, self.device)
 
     @property
     def scratch_position(self) -> int:

@@ -46,7 +46,7 @@ def estimate_memory_bytes(config: ModelConfig, tp: int, batch: int, prompt_len: 
 def cpu_step_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str | None, step: DecodeStep) -> int:
     """What a CPU engine's layers hold beyond the weights: an int8 layer dequantizes a prefill's weight
     `DEQUANTIZE_ROWS` output rows at a time, in float32 (`ladder.cpu.linears.Int8RowLinear`). A compiled step with
-    frozen weights (`ladder.runtime.compile.compile_step`) packs each linear weight that inductor's GEMM templates
+    constant weights (`ladder.runtime.compile.compile_step`) packs each linear weight that inductor's GEMM templates
     take (all but int4's: no AVX2 template) into a blocked copy of its own, beside the one the eager prefill
     reads, and holds one more copy of the largest while it packs it. Measured on SmolLM2 (docs/quantization.md):
     int8's packed copies 135 MB; int4's head (bf16) 56.6 MB kept, 56.6 more at the peak. Unquantized, the
@@ -57,8 +57,8 @@ def cpu_step_bytes(config: ModelConfig, tp: int, dtype_bytes: int, quantize: str
     if quantize == "int8":
         dequantized = max(min(rows, DEQUANTIZE_ROWS) * columns for rows, columns in [*block, head]) * 4
     options = RuntimeOptions.from_environment(step)
-    frozen = step is DecodeStep.COMPILED and uses_gemm_templates(options, torch.device("cpu"))
-    if not frozen:
+    packs = step is DecodeStep.COMPILED and uses_gemm_templates(options, torch.device("cpu"))
+    if not packs:
         return dequantized
     quantized_bytes = bytes_per_weight(quantize, dtype_bytes, row_width=config.dim)
     packed = [] if quantize == "int4" else [rows * columns * quantized_bytes for rows, columns in block]

@@ -32,7 +32,6 @@ from ladder.comm.links import get_link
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
 from ladder.options import DecodeStep
-from ladder.runtime.compile import frozen_step_note
 from ladder.runtime.engine import Engine
 from ladder.runtime.limits import check_max_model_len
 from ladder.runtime.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
@@ -130,9 +129,8 @@ def _warm_up(engine: Engine) -> None:
     same point, before its first plan: the warm-up's forwards all-reduce."""
     if not engine.shapes:
         return
-    frozen = f"; {frozen_step_note()}" if engine.freezes_weights else ""
     say(f"ladder: making the {engine.step.value} decode step for {len(engine.shapes)} shapes (batch "
-        f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))}){frozen}")
+        f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))})")
     start = time.perf_counter()
     engine.warm_up(lambda done, of: say(f"ladder: {done} of {of} shapes made, {time.perf_counter() - start:.0f} s")
                    if of > 1 and done < of else None)
