@@ -16,6 +16,7 @@ from ladder.runtime.compile import INDUCTOR_CACHE_DIR, uses_gemm_templates, weig
 from ladder.runtime.engine import Engine, compiled_cache_length
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.runtime.step_clock import StepClock
+from ladder.serve.worker import serving_options
 
 PROMPT = torch.tensor([[5, 17, 42, 7], [9, 3, 200, 1]])
 
@@ -200,6 +201,17 @@ def test_gemm_templates_are_the_default_only_on_a_cpu_without_bf16_arithmetic(mo
     monkeypatch.setattr(compile_module, "cpu_computes_in_bf16", lambda: computes_in_bf16)
     assert uses_gemm_templates(RuntimeOptions(cpu_gemm_templates=chosen), CPU) is expected
     assert not uses_gemm_templates(RuntimeOptions(cpu_gemm_templates=True), torch.device("cuda"))
+
+
+@pytest.mark.parametrize("chosen, expected", [(None, False), ("1", True), ("0", False)])
+def test_a_server_packs_the_weights_into_gemm_templates_only_when_asked(monkeypatch, chosen, expected):
+    """Each of a server's step shapes would pack a copy of the weights of its own (`serving_options`)."""
+    monkeypatch.setattr(compile_module, "cpu_computes_in_bf16", lambda: False)  # where generate's default is on
+    monkeypatch.delenv(CPU_GEMM_TEMPLATES, raising=False)
+    if chosen is not None:
+        monkeypatch.setenv(CPU_GEMM_TEMPLATES, chosen)
+    assert uses_gemm_templates(serving_options(DecodeStep.COMPILED), CPU) is expected
+    assert uses_gemm_templates(RuntimeOptions.from_environment(DecodeStep.COMPILED), CPU) is (chosen != "0")
 
 
 def test_the_weights_digest_reads_every_byte_and_not_the_kv_cache():

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ladder.comm.emulated import trace_emulated_launches
 from ladder.cpu.inductor_fix import keep_mutation_renames
 from ladder.model.config import cpu_computes_in_bf16
-from ladder.model.transformer import KVCache
+from ladder.model.transformer import KVCache, Transformer
 from ladder.options import RuntimeOptions, cache_root
 
 INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
@@ -48,7 +48,7 @@ def use_compile_cache() -> None:
 
 
 def compile_step(step: Callable[..., torch.Tensor], device: torch.device, options: RuntimeOptions,
-                 model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+                 model: Transformer) -> Callable[..., torch.Tensor]:
     """`step` as one torch.compile graph (collectives, real or emulated, trace into it), as in the paper,
     with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each all-reduce
     launch down to its wait, and the overlap with it. Each wait is a custom op that writes its result:
@@ -84,7 +84,7 @@ def guards_off_the_model(guards: list[Any]) -> list[bool]:
             or (guard.guard_type == "TENSOR_MATCH" and "._buffers[" in guard.name) for guard in guards]
 
 
-def _weights_as_constants(model: torch.nn.Module, inductor: dict[str, Any]) -> Callable[..., Any]:
+def _weights_as_constants(model: Transformer, inductor: dict[str, Any]) -> Callable[..., Any]:
     """A torch.compile backend: inductor, `inductor` its settings, with `model`'s parameters as constants of
     the graph (an engine serves fixed weights; the prefill, eager, reads the model's own) so that its GEMM
     templates can pack them. inductor's freezing would do this, but AOTAutograd's cache refuses a frozen
@@ -112,12 +112,11 @@ def _weights_as_constants(model: torch.nn.Module, inductor: dict[str, Any]) -> C
     return backend
 
 
-def _constant_parameters(model: torch.nn.Module) -> set[int]:
+def _constant_parameters(model: Transformer) -> set[int]:
     """The ids of the tensors a step takes as constants: the model's plain parameters (its linear layers',
     its norms'), not the embedding table unless the head reads it too (a table only looked up gains nothing
     and would be copied into every cache entry), nor tensor subclasses, nor buffers (the KV caches change)."""
-    table = getattr(getattr(model, "tok_embeddings", None), "weight", None)
-    head = {id(p) for p in model.output.parameters()} if hasattr(model, "output") else set()
+    table, head = model.tok_embeddings.weight, {id(p) for p in model.output.parameters()}
     return {id(p) for p in model.parameters()
             if not is_traceable_wrapper_subclass(p) and (p is not table or id(p) in head)}
 

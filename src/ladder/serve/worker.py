@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import uvicorn
@@ -31,7 +31,7 @@ from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
-from ladder.options import DecodeStep
+from ladder.options import DecodeStep, RuntimeOptions
 from ladder.runtime.engine import Engine
 from ladder.runtime.limits import check_max_model_len
 from ladder.runtime.memory import KvCachePlan, memory_available_now, parse_memory_setting, plan_kv_cache
@@ -96,10 +96,19 @@ def _load_engine(settings: ServeSettings, ctx: DistContext | None) -> tuple[Engi
     plan = _kv_cache_plan(settings, ctx, device)  # (before the weights: a context that cannot fit stops here)
     say(f"ladder: {plan.describe()}")
     loaded = settings.model.load(comm, device, exact=ctx is not None or settings.model.model is not None)
-    engine = Engine(loaded.model, settings.decode_step)
+    engine = Engine(loaded.model, serving_options(settings.decode_step))
     loaded.model = engine.model  # the engine's view: the weights it packed replace the model's
     engine.reserve(plan.rows, plan.max_model_len, padded=True)
     return engine, loaded
+
+
+def serving_options(step: DecodeStep) -> RuntimeOptions:
+    """The environment's options, with inductor's GEMM templates only where the user turns them on
+    (`LADDER_CPU_GEMM_TEMPLATES=1`): a server compiles a step for each of its shapes (32 by default), and
+    each shape's templates pack a copy of the weights of their own (SmolLM2 int8: 183 MiB more resident
+    for a second shape), where `ladder generate` compiles one."""
+    options = RuntimeOptions.from_environment(step)
+    return options if options.cpu_gemm_templates is not None else replace(options, cpu_gemm_templates=False)
 
 
 def _kv_cache_plan(settings: ServeSettings, ctx: DistContext | None, device: torch.device) -> KvCachePlan:
