@@ -16,11 +16,11 @@ from ladder.checkpoint.hf import save_random_hf
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.cpu import linears as packing
-from ladder.cpu.linears import Int8RowLinear, weight_bytes
+from ladder.cpu.linears import Int8MatmulLinear, Int8RowLinear, weight_bytes
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
 from ladder.model.transformer import Transformer
-from ladder.options import DecodeStep
+from ladder.options import CPU_GEMM_TEMPLATES, DecodeStep
 from ladder.quant import quantize as quantize_module
 from ladder.quant.quantize import block_linears, check_quantize, is_int8_per_row, is_quantized, quantize_shard
 from ladder.runtime import engine as engine_module
@@ -152,6 +152,27 @@ def test_an_eager_cpu_bf16_int8_forward_runs_torchs_int8_kernel_and_casts_no_wei
     assert isinstance(compiled.model.output, Int8RowLinear) and isinstance(compiled.model.layers[0].feed_forward.w2, Int8RowLinear)
     assert not isinstance(compiled._step_model.output, Int8RowLinear) and is_int8_per_row(compiled._step_model.output.weight)
     assert not isinstance(bf16.output, Int8RowLinear)  # the model given stays as it was
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_templated_steps_int8_layers_are_plain_tensors_that_give_torchaos_logits(monkeypatch, dtype):
+    """A compiled step whose weights are constants of its graph (inductor's GEMM templates) cannot take
+    torchao's tensor subclass as a constant: its int8 layers become plain int8 rows and scales on torch's
+    int8 kernel (half precision), or plain weights dequantized once (float32). Run eagerly here: the logits
+    are torchao's, within the rounding of sums taken in another order."""
+    monkeypatch.setenv(CPU_GEMM_TEMPLATES, "1")
+    model = make_model(tiny(**QUANTIZABLE), quantize="int8").to(dtype)
+    with torch.inference_mode():
+        torchaos = model(PROMPT)
+        step_model = Engine(model, DecodeStep.COMPILED)._step_model
+        got = step_model(PROMPT)
+    wqkv = step_model.layers[0].attention.wqkv
+    if dtype == torch.bfloat16:
+        assert isinstance(wqkv, Int8MatmulLinear) and wqkv.qdata.dtype == torch.int8
+    else:
+        assert type(wqkv) is torch.nn.Linear and wqkv.weight.dtype == torch.float32
+    assert not any(is_quantized(module) for module in step_model.modules() if isinstance(module, torch.nn.Linear))
+    torch.testing.assert_close(got.float(), torchaos.float(), atol=3e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
