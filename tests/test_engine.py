@@ -185,7 +185,8 @@ def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape_and_a_
         max_seq = compiled_cache_length(prompt.shape[1] + 6, config.max_seq_len)
         assert compiled.generate(prompt, 6, max_seq=max_seq).tokens == eager, f"seed {seed}"
         hits = counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"]
-        assert hits == ((1, 1) if start == 2 else (0, 0)), (start, dict(counters["inductor"]), dict(counters["aot_autograd"]))
+        assert hits == ((1, 1) if start == 2 else (0, 0)), (start, dict(counters["inductor"]),
+                                                            dict(counters["aot_autograd"]))
         assert start == 2 or counters["inductor"]["cpp_templated_kernel_counter"] > 0, dict(counters["inductor"])
 
 

@@ -1,5 +1,6 @@
 """A decode step compiled as one graph (`--compile`): inductor's settings for it, its guards, and its
-weights as constants of the graph on a CPU. (`--compile-layers` compiles each layer instead: `Transformer.compile_layers`.)"""
+weights as constants of the graph on a CPU. (`--compile-layers` compiles each layer instead:
+`Transformer.compile_layers`.)"""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def compile_step(step: Callable[..., torch.Tensor], device: torch.device, option
 
 def uses_gemm_templates(options: RuntimeOptions, device: torch.device) -> bool:
     """Whether a compiled step takes its weights as constants, packed into inductor's C++ GEMM templates: on
-    a CPU, where the user says so (`LADDER_CPU_GEMM_TEMPLATES`), else where the CPU has no bf16 arithmetic (the comment above)."""
+    a CPU, where the user says so (`LADDER_CPU_GEMM_TEMPLATES`), else where the CPU has no bf16 arithmetic
+    (the comment above)."""
     if device.type != "cpu":
         return False
     return options.cpu_gemm_templates if options.cpu_gemm_templates is not None else not cpu_computes_in_bf16()
