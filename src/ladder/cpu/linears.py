@@ -95,9 +95,7 @@ class Int8RowLinear(nn.Module):
         if x.dtype not in HALF_PRECISION or x.numel() >= INT8_DEQUANTIZE_MIN_ROWS * x.shape[-1]:
             return self._on_dequantized_rows(x)
         weight = self.layer.weight
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.qdata,
-                                               weight.scale.reshape(-1).to(x.dtype))
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return int8_matmul(x, weight.qdata, weight.scale.reshape(-1).to(x.dtype))
 
     def _on_dequantized_rows(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.layer.weight
@@ -123,8 +121,14 @@ class Int8MatmulLinear(nn.Module):
         self.scale = nn.Parameter(weight.scale.detach().reshape(-1).to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.qdata, self.scale)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return int8_matmul(x, self.qdata, self.scale)
+
+
+def int8_matmul(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (..., in) times the int8 rows `qdata` (out, in), each times its `scale` (out,) in x's dtype: torch's
+    int8 kernel, which takes x as rows."""
+    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), qdata, scale)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def dequantized(layer: nn.Linear) -> nn.Linear:
@@ -132,9 +136,8 @@ def dequantized(layer: nn.Linear) -> nn.Linear:
     weights: inductor's float32 GEMM template on it decoded SmolLM2 at 27.9 tokens/s on a 2-core AVX2 EPYC,
     the int8 kernel (`Int8MatmulLinear`) at 10.6 (inductor's freezing used to fold the dequantization
     into the constants the same way: 27.4)."""
-    weight = layer.weight
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(weight.qdata.float() * weight.scale.reshape(-1, 1).float(), requires_grad=False)
+    linear = nn.Linear(layer.weight.shape[1], layer.weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(layer.weight.dequantize().float(), requires_grad=False)  # torchao's own
     return linear
 
 

@@ -102,8 +102,7 @@ def _weights_as_constants(model: Transformer, inductor: dict[str, Any]) -> Calla
     digest = functools.cache(lambda: weights_digest(model))  # at the first compile: an engine not run digests nothing
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        kept = [i for i, value in enumerate(example_inputs) if id(value) not in constants]
-        graph = _inputs_as_constants(graph, example_inputs, constants)
+        graph, kept = _inputs_as_constants(graph, example_inputs, constants)
         cached = cache_root() is not None
         fake_mode = torch._guards.TracingContext.get().fake_mode  # the constants are real tensors
         with torch.compiler.config.patch(cache_key_tag=f"ladder-weights-{digest()}" if cached else ""), \
@@ -124,27 +123,30 @@ def _constant_parameters(model: Transformer) -> set[int]:
 
 
 def _inputs_as_constants(graph: torch.fx.GraphModule, example_inputs: list[Any],
-                         constants: set[int]) -> torch.fx.GraphModule:
+                         constants: set[int]) -> tuple[torch.fx.GraphModule, list[int]]:
     """A copy of dynamo's graph (dynamo calls its own with every input) whose inputs among `constants` are
     attributes read by `get_attr`, each marked as inductor marks a frozen parameter (its cache key reads the
-    shape, not every value: the digest covers them)."""
+    shape, not every value: the digest covers them); and the indices of the inputs it still takes."""
     copy = torch.fx.Graph()
     copy.output(copy.graph_copy(graph.graph, {}))
     module = torch.fx.GraphModule(graph, copy)
     module.meta.update(graph.meta)
+    kept = []
     for i, (node, value) in enumerate(zip(copy.find_nodes(op="placeholder"), example_inputs)):
-        if id(value) in constants:
-            name = f"ladder_constant_{i}"
-            tensor = value.detach()
-            tensor._is_frozen_param = True
-            setattr(module, name, tensor)  # a plain attribute: AOTAutograd lifts parameters and buffers to inputs
-            with copy.inserting_before(node):
-                attribute = copy.create_node("get_attr", name)
-            attribute.meta.update(node.meta)
-            node.replace_all_uses_with(attribute)
-            copy.erase_node(node)
+        if id(value) not in constants:
+            kept.append(i)
+            continue
+        name = f"ladder_constant_{i}"
+        tensor = value.detach()
+        tensor._is_frozen_param = True
+        setattr(module, name, tensor)  # a plain attribute: AOTAutograd lifts parameters and buffers to inputs
+        with copy.inserting_before(node):
+            attribute = copy.create_node("get_attr", name)
+        attribute.meta.update(node.meta)
+        node.replace_all_uses_with(attribute)
+        copy.erase_node(node)
     module.recompile()
-    return module
+    return module, kept
 
 
 @torch.no_grad()
