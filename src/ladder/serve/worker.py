@@ -105,8 +105,8 @@ def _load_engine(settings: ServeSettings, ctx: DistContext | None) -> tuple[Engi
 def serving_options(step: DecodeStep) -> RuntimeOptions:
     """The environment's options, with inductor's GEMM templates only where the user turns them on
     (`LADDER_CPU_GEMM_TEMPLATES=1`): a server compiles a step for each of its shapes (32 by default), and
-    each shape's templates pack a copy of the weights of their own (SmolLM2 int8: 183 MiB more resident
-    for a second shape), where `ladder generate` compiles one."""
+    each shape's templates pack a copy of the weights of their own (SmolLM2 int8: 183-325 MiB more
+    resident for a second shape, over three runs), where `ladder generate` compiles one."""
     options = RuntimeOptions.from_environment(step)
     return options if options.cpu_gemm_templates is not None else replace(options, cpu_gemm_templates=False)
 
