@@ -13,7 +13,7 @@ from ladder.options import CPU_GEMM_TEMPLATES, DECODE_ATTENTION, INDUCTOR_OPTION
 from ladder.quant.quantize import quantize_shard
 from ladder.runtime import compile as compile_module
 from ladder.runtime.compile import INDUCTOR_CACHE_DIR, uses_gemm_templates, weights_digest
-from ladder.runtime.engine import Engine, compiled_cache_length
+from ladder.runtime.engine import Engine, compiled_cache_length, decode_forward
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.runtime.step_clock import StepClock
 from ladder.serve.worker import serving_options
@@ -242,6 +242,27 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
         assert compiled.generate(PROMPT, 6).tokens == eager
         assert compiled.generate(PROMPT, 6).tokens == eager
     assert counters["stats"]["unique_graphs"] == (2 if layout == "parallel" else 3)  # attention, MLP; the head
+
+
+@pytest.mark.parametrize("layout, regions", [("ladder", 2), ("parallel", 1), ("desync", 2)])
+def test_a_compiled_forward_traces_one_layers_modules_and_stamps_out_the_others(layout, regions):
+    """Each module runs as a compile region (`attention_region`): dynamo traces the first layer's and reuses
+    that trace for the other five, and the engine's decode step (`decode_forward`) gives the eager logits."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    model = make_model(tiny(layout=layout, n_layers=6, ladder_layers=4 if layout == "ladder" else None))
+    model.requires_grad_(False)
+    model.setup_caches(2, 16)
+    model(PROMPT, torch.arange(4))  # a prefill, then one decode step at position 4
+    tokens, positions = PROMPT[:, -1:], torch.full((2, 1), 4)
+    torch._dynamo.reset()
+    for name in ("invoke_subgraph_trace", "invoke_subgraph_reuse_stamp_out"):
+        compilation_time_metrics.pop(name, None)
+    compiled = torch.compile(lambda: decode_forward(model, tokens, positions, 8), backend="eager", fullgraph=True)()
+    traced, stamped = (len(compilation_time_metrics.get(name, ()))
+                       for name in ("invoke_subgraph_trace", "invoke_subgraph_reuse_stamp_out"))
+    assert (traced, stamped) == (regions, regions * 6 - regions)
+    torch.testing.assert_close(compiled, decode_forward(model, tokens, positions, 8))
 
 
 @pytest.mark.parametrize("kernel, traces", [("sdpa", set()), ("products", {"decode_attention"}),

@@ -65,7 +65,7 @@ def test_kv_cached_decode_equals_full_forward(layout):
 
 def test_llama31_rope_scaling_changes_long_range_only():
     from ladder.model.config import RopeScaling
-    from ladder.model.transformer import rope_inverse_frequencies
+    from ladder.model.attention import rope_inverse_frequencies
     base = tiny(rope_theta=500000.0)
     scaled = base.replace(rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=64))
     plain, llama3 = rope_inverse_frequencies(base), rope_inverse_frequencies(scaled)

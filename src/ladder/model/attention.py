@@ -1,10 +1,49 @@
-"""Attention kernels: ATen's scaled dot-product attention, and for a decode step (one query a row over
-the KV cache) products and sums that inductor compiles, or FlexAttention (`ladder.options.DECODE_ATTENTION_KERNELS`)."""
+"""Attention's parts: rotary embeddings, the cache mask, and the kernels: ATen's scaled dot-product attention,
+and for a decode step (one query a row over the KV cache) products and sums that inductor compiles, or
+FlexAttention (`ladder.options.DECODE_ATTENTION_KERNELS`)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from ladder.model.config import ModelConfig
+
+
+def rope_inverse_frequencies(config: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies (head_dim/2,), with Llama-3.1 scaling when the config has it."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def cache_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """(B, 1, T, kv_len): the first kv_len cache positions a query at each of positions (B, T) sees, its own and
+    those before it."""
+    return (torch.arange(kv_len, device=positions.device) <= positions[..., None])[:, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the Hugging Face ("rotate half") layout. x: (B, H, T, hd), cos/sin: (B, 1, T, hd)."""
+    return x * cos + rotate_half(x) * sin
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, decode_kernel: str = "sdpa",

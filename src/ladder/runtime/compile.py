@@ -59,6 +59,11 @@ def compile_step(step: Callable[..., torch.Tensor], device: torch.device, option
                 **(CPU_GEMM_TEMPLATES if templates else {}), **options.inductor_options}
     trace_emulated_launches()
     keep_mutation_renames()
+    # Dynamo traces each layer's modules once, as compile regions (`ladder.model.transformer.compile_region`),
+    # and hands on one flat graph: GEMM templates need the weights as constants of the graph inductor compiles,
+    # not inputs of a subgraph, and inductor's caches then hold what they held before. (Only ladder's
+    # regions are marked in its processes.)
+    torch._dynamo.config.inline_invoke_subgraph = True
     # Entries of its own (torch.compile shares them among every compile of one function), so that the
     # guards on the model can go: they would be checked each step, and this engine's model never changes.
     settings = {"guard_filter_fn": guards_off_the_model}

@@ -258,8 +258,9 @@ class Engine:
 
 
 def decode_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Logits (B, V) of one token a sequence, tokens and positions (B, 1), in cache rows 0..B-1."""
-    return model(tokens, positions, rows=slice(0, tokens.shape[0]), kv_len=kv_len)[:, -1]
+    """Logits (B, V) of one token a sequence, tokens and positions (B, 1), in cache rows 0..B-1 (rows None: a
+    slice would keep each layer's compile region from reusing the first one's trace)."""
+    return model(tokens, positions, kv_len=kv_len)[:, -1]
 
 
 def kv_blocks(needed: int, max_seq: int) -> int:
