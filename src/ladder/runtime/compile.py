@@ -8,6 +8,7 @@ import concurrent.futures
 import hashlib
 import itertools
 import os
+import threading
 import unittest.mock
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,10 +68,13 @@ def compile_step(step: Callable[..., torch.Tensor], device: torch.device, option
     # Entries of its own (torch.compile shares them among every compile of one function), so that the
     # guards on the model can go: they would be checked each step, and this engine's model never changes.
     settings = {"guard_filter_fn": guards_off_the_model}
+    # A graph of its own for each shape (dynamic=False: a shape that differs from the first does not turn
+    # the batch symbolic), as each shape's templates and CUDA graph want, and as stamping out regions needs.
     if templates:
-        return torch.compile(step, fullgraph=True, backend=_weights_as_constants(model, inductor), options=settings,
-                             isolate_recompiles=True)
-    return torch.compile(step, fullgraph=True, options={**inductor, **settings}, isolate_recompiles=True)
+        return torch.compile(step, fullgraph=True, dynamic=False, backend=_weights_as_constants(model, inductor),
+                             options=settings, isolate_recompiles=True)
+    return torch.compile(step, fullgraph=True, dynamic=False, options={**inductor, **settings},
+                         isolate_recompiles=True)
 
 
 def uses_gemm_templates(options: RuntimeOptions, device: torch.device) -> bool:
@@ -106,9 +110,7 @@ def _weights_as_constants(model: Transformer, inductor: dict[str, Any]) -> Calla
     constants = _constant_parameters(model)
     cached = cache_root() is not None
     # Hashed on another thread (hashlib lets go of the GIL) while dynamo traces the step: SmolLM2's 0.4 s.
-    digests = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ladder-digest")
-    digest = digests.submit(_digest, _named_weights(model)) if cached else None
-    digests.shutdown(wait=False)
+    digest = _in_background(_digest, _named_weights(model)) if cached else None
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         _inputs_as_constants(graph, example_inputs, constants)
@@ -117,6 +119,19 @@ def _weights_as_constants(model: Transformer, inductor: dict[str, Any]) -> Calla
                 unittest.mock.patch.object(fake_mode, "allow_non_fake_inputs", True):
             return compile_fx(graph, example_inputs, config_patches={**inductor, "fx_graph_cache": cached})
     return backend
+
+
+def _in_background(fn: Callable[..., str], *args: Any) -> concurrent.futures.Future[str]:
+    """fn(*args) on a daemon thread: a process that ends meanwhile (an error, Ctrl-C) does not wait for it."""
+    future: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # the compile that waits for it raises it
+            future.set_exception(exc)
+    threading.Thread(target=run, name="ladder-weights-digest", daemon=True).start()
+    return future
 
 
 def _constant_parameters(model: Transformer) -> set[int]:
