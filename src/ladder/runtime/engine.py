@@ -262,7 +262,7 @@ def decode_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Te
                    rows_as_slice: bool = False) -> torch.Tensor:
     """Logits (B, V) of one token a sequence, tokens and positions (B, 1), in cache rows 0..B-1: named as a
     slice where `rows_as_slice` (compiled layers: a constant, so each batch size's attention graph stays
-    static; with a symbolic batch, SmolLM2's step at batch 4-8 was 5-8 % slower on AVX2), else as None (a
+    static; with a symbolic batch, SmolLM2's step at batch 4-8 was 2-15 % slower on AVX2), else as None (a
     compiled step: a slice would keep each layer's region from reusing the first layer's trace)."""
     return model(tokens, positions, rows=slice(0, tokens.shape[0]) if rows_as_slice else None, kv_len=kv_len)[:, -1]
 
