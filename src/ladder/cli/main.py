@@ -37,7 +37,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] in (["bench", "plot"], ["bench", "summary"], ["bench", "link"], ["bench", "serve"], ["train", "plot"]):  # reads better
+    if len(argv) > 1 and f"{argv[0]}-{argv[1]}" in COMMANDS:  # `ladder bench plot` reads better than bench-plot
         argv = [f"{argv[0]}-{argv[1]}", *argv[2:]]
     parser = build_parser(argv[0] if argv else None)
     args, unknown = parser.parse_known_args(argv)
