@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import make_model, tiny
 from ladder.cpu import linears
 from ladder.errors import LadderError
+from ladder.model import attention as attention_module
 from ladder.model import config
 from ladder.model import transformer as model_module
 from ladder.model.config import PRESETS, ModelConfig, get_preset
@@ -92,6 +93,26 @@ def test_attention_computes_in_the_dtype_it_is_given():
         assert not torch.equal(upcast, native)  # the two differ, so the test tells them apart
         assert torch.equal(model_module.attend(q, k, v, m), native)
         assert torch.equal(model_module.attend(q, k, v, m, compute_dtype=torch.float32), upcast)
+
+
+@pytest.mark.parametrize("compute_dtype, beyond", [(None, "sdpa"), (torch.float32, "products")])
+def test_the_products_decode_attention_takes_long_caches_where_atens_would_upcast(monkeypatch, compute_dtype, beyond):
+    """Up to DECODE_ATTENTION_MAX_POSITIONS the products attend; past it ATen's kernel, unless it would copy
+    the whole cache to float32 first. Both give the same attention."""
+    calls: list[int] = []
+    products = attention_module.decode_attention
+    monkeypatch.setattr(attention_module, "decode_attention", lambda *a: calls.append(1) or products(*a))
+    kernels, generator, limit = [], torch.Generator().manual_seed(0), attention_module.DECODE_ATTENTION_MAX_POSITIONS
+    for positions in (limit, limit + 1):
+        q, k, v = (torch.randn(2, n, t, 8, generator=generator, dtype=torch.bfloat16)
+                   for n, t in ((4, 1), (2, positions), (2, positions)))
+        mask = torch.rand(2, 1, 1, positions, generator=generator) < 0.5
+        got = attention_module.attend(q, k, v, mask, "products", compute_dtype).float()
+        reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(got, reference, atol=2e-2, rtol=2e-2)
+        kernels.append("products" if calls else "sdpa")
+        calls.clear()
+    assert kernels == ["products", beyond]
 
 
 @pytest.mark.parametrize("computes_in_bf16", [True, False])

@@ -244,6 +244,34 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
     assert counters["stats"]["unique_graphs"] == (2 if layout == "parallel" else 3)  # attention, MLP; the head
 
 
+@pytest.mark.parametrize("layout, ladder_layers", [("standard", None), ("ladder", 3), ("parallel", None),
+                                                   ("desync", None), ("upper-bound", None)])
+def test_a_warm_up_of_compiled_layers_runs_two_layers_and_makes_every_graph_the_whole_depth_needs(
+        monkeypatch, layout, ladder_layers):
+    """The warm-up runs each shape through the first two layers only (WARM_UP_LAYERS), and a decode step at
+    every shape through all five then compiles nothing (error_on_recompile). Dynamo's eager backend: which
+    graphs exist is dynamo's, and inductor would take a minute."""
+    from torch._dynamo.utils import counters
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **kw, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    engine = Engine(make_model(tiny(layout=layout, n_layers=5, ladder_layers=ladder_layers)), DecodeStep.COMPILED_LAYERS)
+    engine.reserve(2, 128, padded=True)
+    last, calls = engine._step_model.layers[-1], []
+    step_name = "parallel_step" if layout == "parallel" else "mlp_step"
+    compiled_step = getattr(last, step_name)
+    setattr(last, step_name, lambda *args: calls.append(args[0].shape) or compiled_step(*args))
+    engine.warm_up()
+    made = counters["stats"]["unique_graphs"]
+    assert calls == [] and made > 0
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+        for batch, kv_len in engine.shapes:
+            engine.decode(torch.arange(batch), [kv_len - 2] * batch)
+    assert len(calls) == len(engine.shapes) and counters["stats"]["unique_graphs"] == made
+
+
 @pytest.mark.parametrize("layout, regions", [("ladder", 2), ("parallel", 1), ("desync", 2)])
 def test_a_compiled_forward_traces_one_layers_modules_and_stamps_out_the_others(layout, regions):
     """Each module runs as a compile region (`attention_region`): dynamo traces the first layer's and reuses

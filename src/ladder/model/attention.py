@@ -50,13 +50,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Scaled dot-product attention (causal without a mask). One query a row with a mask (a decode step)
     attends through `decode_kernel` (`ladder.options.DECODE_ATTENTION_KERNELS`; "products" up to
-    DECODE_ATTENTION_MAX_POSITIONS cached positions, ATen's beyond, where the two cost the same); every
-    other attention through ATen's `scaled_dot_product_attention`, in `compute_dtype` when one is given (an
-    engine gives float32 for half precision on a CPU without bf16 arithmetic: AVX2 emulates bf16, and
-    SmolLM2's decode attention ran 2.5x slower in it than upcast; the KV cache stays in the model's dtype)."""
+    DECODE_ATTENTION_MAX_POSITIONS cached positions, ATen's beyond, where the two cost the same, unless
+    ATen's would upcast: see `products_attend`); every other attention through ATen's
+    `scaled_dot_product_attention`, in `compute_dtype` when one is given (an engine gives float32 for half
+    precision on a CPU without bf16 arithmetic: AVX2 emulates bf16, and SmolLM2's decode attention ran 2.5x
+    slower in it than upcast; the KV cache stays in the model's dtype)."""
     dtype = q.dtype
     if q.shape[2] == 1 and mask is not None:
-        if decode_kernel == "products" and k.shape[2] <= DECODE_ATTENTION_MAX_POSITIONS:
+        if decode_kernel == "products" and products_attend(k.shape[2], compute_dtype):
             return decode_attention(q, k, v, mask).to(dtype)
         if decode_kernel == "flex":
             return flex_decode_attention(q, k, v, mask)
@@ -71,6 +72,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 # attentions of SmolLM2's shape in one compiled graph took 1.9 ms against ATen's flash kernel's 5.7 at 256
 # positions, 15 against 25 at 2048, and as long at 4096 (experiments/investigations/decode_attention.py).
 DECODE_ATTENTION_MAX_POSITIONS = 4096
+
+
+def products_attend(positions: int, compute_dtype: torch.dtype | None) -> bool:
+    """Whether the "products" decode attention takes `positions` cached positions. Past
+    DECODE_ATTENTION_MAX_POSITIONS too when ATen's kernel would upcast the cache (`compute_dtype`): that
+    copies every cached key and value to float32 first, and the products read them as they are. SmolLM2's
+    shape, compiled, bf16 cache on a 2-core AVX2 CPU, ms an attention, products against upcast flash: batch 1,
+    1.6 / 3.4 at 8192 positions, 4.6 / 8.2 at 16384; batch 8 at 8192, 17.7 / 81.4 (two 50 MB copies a
+    layer, each mapped afresh by the allocator). One kernel for every length also makes one graph of a
+    compiled layer's attention, not two (`--compile-layers`' warm-up)."""
+    return compute_dtype is not None or positions <= DECODE_ATTENTION_MAX_POSITIONS
 
 
 def flex_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ sequence rounded up to KV_BLOCK positions, at any batch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -154,9 +155,13 @@ class Engine:
     def warm_up(self, on_shape: Callable[[int, int], None] | None = None) -> None:
         """Run every shape of the decode step once, every row a padding row: compiles or captures each,
         writes only the scratch position. After it, decode steps compile nothing. `on_shape(done, of)`
-        after each shape (a progress line)."""
+        after each shape (a progress line). Compiled layers run through the first WARM_UP_LAYERS layers
+        only: every layer reuses their graphs (`Transformer.compile_layers`), and the whole depth would
+        only compute (SmolLM2's 30 layers: 4.1 of a second start's 16 s warm-up on two AVX2 cores)."""
+        shallow = self.step is DecodeStep.COMPILED_LAYERS  # (a CUDA graph captures what runs: the whole depth)
         # torch.compile specialises on each shape, and a fullgraph compile fails past its recompile limit (8).
-        with torch._dynamo.config.patch(recompile_limit=max(len(self.shapes), 8)):
+        with torch._dynamo.config.patch(recompile_limit=max(len(self.shapes), 8)), \
+                first_layers_only(self._step_model, WARM_UP_LAYERS if shallow else None):
             for done, (batch, kv_len) in enumerate(self.shapes, start=1):
                 self._step_at(batch, kv_len)(torch.zeros(batch, 1, dtype=torch.long, device=self.device),
                                              torch.full((batch, 1), self.scratch_position, device=self.device))
@@ -265,6 +270,27 @@ def decode_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Te
     static; with a symbolic batch, SmolLM2's step at batch 4-8 was 2-15 % slower on AVX2), else as None (a
     compiled step: a slice would keep each layer's region from reusing the first layer's trace)."""
     return model(tokens, positions, rows=slice(0, tokens.shape[0]) if rows_as_slice else None, kv_len=kv_len)[:, -1]
+
+
+WARM_UP_LAYERS = 2
+"""Layers a warm-up of compiled layers runs. Every layer calls the same graphs (the stream plus zeros or plus
+an all-reduced output: one graph), so one layer made them all in the tests of each layout; the second reads
+what the first's all-reduce gave, as every later layer does."""
+
+
+@contextlib.contextmanager
+def first_layers_only(model: Transformer, n_layers: int | None) -> Iterator[None]:
+    """`model` (an engine's own view) as its first `n_layers` layers while the block runs; all of them if None."""
+    if n_layers is None or n_layers >= model.config.n_layers:
+        yield
+        return
+    layers, config = model.layers, model.config
+    ladder_layers = None if config.ladder_layers is None else min(config.ladder_layers, n_layers)
+    model.layers, model.config = layers[:n_layers], config.replace(n_layers=n_layers, ladder_layers=ladder_layers)
+    try:
+        yield
+    finally:
+        model.layers, model.config = layers, config
 
 
 def kv_blocks(needed: int, max_seq: int) -> int:
