@@ -99,10 +99,11 @@ def test_attention_computes_in_the_dtype_it_is_given():
 def test_the_products_decode_attention_takes_long_caches_where_atens_would_upcast(monkeypatch, compute_dtype, beyond):
     """Up to DECODE_ATTENTION_MAX_POSITIONS the products attend; past it ATen's kernel, unless it would copy
     the whole cache to float32 first. Both give the same attention."""
-    calls: list[int] = []
+    products_ran_at: list[int] = []  # the cached positions of each products attention
     products = attention_module.decode_attention
-    monkeypatch.setattr(attention_module, "decode_attention", lambda *a: calls.append(1) or products(*a))
-    kernels, generator, limit = [], torch.Generator().manual_seed(0), attention_module.DECODE_ATTENTION_MAX_POSITIONS
+    monkeypatch.setattr(attention_module, "decode_attention",
+                        lambda q, k, v, mask: products_ran_at.append(k.shape[2]) or products(q, k, v, mask))
+    generator, limit = torch.Generator().manual_seed(0), attention_module.DECODE_ATTENTION_MAX_POSITIONS
     for positions in (limit, limit + 1):
         q, k, v = (torch.randn(2, n, t, 8, generator=generator, dtype=torch.bfloat16)
                    for n, t in ((4, 1), (2, positions), (2, positions)))
@@ -110,8 +111,7 @@ def test_the_products_decode_attention_takes_long_caches_where_atens_would_upcas
         got = attention_module.attend(q, k, v, mask, "products", compute_dtype).float()
         reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
         torch.testing.assert_close(got, reference, atol=2e-2, rtol=2e-2)
-        kernels.append("products" if calls else "sdpa")
-        calls.clear()
+    kernels = ["products" if positions in products_ran_at else "sdpa" for positions in (limit, limit + 1)]
     assert kernels == ["products", beyond]
 
 
