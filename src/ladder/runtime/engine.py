@@ -157,7 +157,8 @@ class Engine:
         writes only the scratch position. After it, decode steps compile nothing. `on_shape(done, of)`
         after each shape (a progress line). Compiled layers run through the first WARM_UP_LAYERS layers
         only: every layer reuses their graphs (`Transformer.compile_layers`), and the whole depth would
-        only compute (SmolLM2's 30 layers: 4.1 of a second start's 16 s warm-up on two AVX2 cores)."""
+        only compute (SmolLM2's 32 shapes through 30 layers: 4.2-4.7 s on two AVX2 cores, measured by
+        experiments/investigations/serve_start.py)."""
         shallow = self.step is DecodeStep.COMPILED_LAYERS  # (a CUDA graph captures what runs: the whole depth)
         # torch.compile specialises on each shape, and a fullgraph compile fails past its recompile limit (8).
         with torch._dynamo.config.patch(recompile_limit=max(len(self.shapes), 8)), \
