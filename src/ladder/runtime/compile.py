@@ -5,6 +5,7 @@ weights as constants of the graph on a CPU. (`--compile-layers` compiles each la
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import itertools
 import os
@@ -17,11 +18,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ladder.comm.emulated import trace_emulated_launches
+from ladder.comm.emulated import EmulatedCommunicator, trace_emulated_launches
 from ladder.cpu.inductor_fix import keep_mutation_renames
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.transformer import KVCache, Transformer
 from ladder.options import RuntimeOptions, cache_root
+from ladder.runtime.precompile import SavedSteps, aot_guard_filter, graph_key
 
 INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -49,11 +51,13 @@ def use_compile_cache() -> None:
         os.environ[INDUCTOR_CACHE_DIR] = str(root / "inductor")
 
 
-def compile_step(step: Callable[..., torch.Tensor], device: torch.device, options: RuntimeOptions,
-                 model: Transformer) -> Callable[..., torch.Tensor]:
-    """`step` as one torch.compile graph (collectives, real or emulated, trace into it), as in the paper,
-    with CUDA graphs on CUDA (mode="reduce-overhead"). reorder_for_locality would move each all-reduce
-    launch down to its wait, and the overlap with it. Each wait is a custom op that writes its result:
+def compile_step(step: Callable[..., torch.Tensor], model: Transformer, device: torch.device,
+                 options: RuntimeOptions) -> Callable[..., torch.Tensor]:
+    """`step(model, tokens, positions, kv_len=...)` as one torch.compile graph (collectives, real or
+    emulated, trace into it), as in the paper, with CUDA graphs on CUDA (mode="reduce-overhead"); on a CPU
+    with ladder's cache, saved whole for a later start (`ladder.runtime.precompile`). Returns
+    `(tokens, positions, kv_len=...) -> logits`. reorder_for_locality would move each all-reduce launch
+    down to its wait, and the overlap with it. Each wait is a custom op that writes its result:
     `keep_mutation_renames` keeps inductor's CPU fusion from reading that result before the wait."""
     templates = uses_gemm_templates(options, device)
     inductor = {"triton.cudagraphs": device.type == "cuda", "reorder_for_locality": False,
@@ -65,16 +69,35 @@ def compile_step(step: Callable[..., torch.Tensor], device: torch.device, option
     # not inputs of a subgraph, and inductor's caches then hold what they held before. (Only ladder's
     # regions are marked in its processes.)
     torch._dynamo.config.inline_invoke_subgraph = True
+    saved = saves_steps(model, device)  # (in the inductor cache folder `use_compile_cache` chose)
+    # Hashed on another thread (hashlib lets go of the GIL) while dynamo traces the step: SmolLM2's 0.4 s.
+    keyed = saved or templates and cache_root() is not None
+    digest = _in_background(_digest, _named_weights(model)) if keyed else None
     # Entries of its own (torch.compile shares them among every compile of one function), so that the
     # guards on the model can go: they would be checked each step, and this engine's model never changes.
-    settings = {"guard_filter_fn": guards_off_the_model}
+    guards = aot_guard_filter(guards_off_the_model) if saved else guards_off_the_model
     # A graph of its own for each shape (dynamic=False: a shape that differs from the first does not turn
     # the batch symbolic), as each shape's templates and CUDA graph want, and as stamping out regions needs.
-    if templates:
-        return torch.compile(step, fullgraph=True, dynamic=False, backend=_weights_as_constants(model, inductor),
-                             options=settings, isolate_recompiles=True)
-    return torch.compile(step, fullgraph=True, dynamic=False, options={**inductor, **settings},
-                         isolate_recompiles=True)
+    backend = _weights_as_constants(model, inductor, digest) if templates else "inductor"
+    settings = {"guard_filter_fn": guards, **({} if templates else inductor)}
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, options=settings,
+                             isolate_recompiles=True)
+    if saved:
+        return SavedSteps(compiled, model, Path(os.environ[INDUCTOR_CACHE_DIR]) / "ladder-steps",
+                          lambda: graph_key(model, digest.result(), (options, inductor, comm_key(model.comm))))
+    return functools.partial(compiled, model)
+
+
+def saves_steps(model: Transformer, device: torch.device) -> bool:
+    """Whether a compiled step is saved for a later start: on a CPU (CUDA graphs are captured at each
+    start), with ladder's cache on, and collectives that are a real group's or none (an emulated link's
+    ops name their communicator by a number of this process)."""
+    return device.type == "cpu" and cache_root() is not None and not isinstance(model.comm, EmulatedCommunicator)
+
+
+def comm_key(comm: Any) -> str:
+    """The collectives a step's graph names: its group, and this rank's place in it."""
+    return f"{type(comm).__name__} rank {comm.rank} of {comm.world_size} {getattr(comm, 'group_name', '')}"
 
 
 def uses_gemm_templates(options: RuntimeOptions, device: torch.device) -> bool:
@@ -95,7 +118,8 @@ def guards_off_the_model(guards: list[Any]) -> list[bool]:
             or (guard.guard_type == "TENSOR_MATCH" and "._buffers[" in guard.name) for guard in guards]
 
 
-def _weights_as_constants(model: Transformer, inductor: dict[str, Any]) -> Callable[..., Any]:
+def _weights_as_constants(model: Transformer, inductor: dict[str, Any],
+                          digest: concurrent.futures.Future[str] | None) -> Callable[..., Any]:
     """A torch.compile backend: inductor, `inductor` its settings, with `model`'s parameters as constants of
     the graph (an engine serves fixed weights; the prefill, eager, reads the model's own) so that its GEMM
     templates can pack them. inductor's freezing would do this, but AOTAutograd's cache refuses a frozen
@@ -104,13 +128,11 @@ def _weights_as_constants(model: Transformer, inductor: dict[str, Any]) -> Calla
     inductor's caches key constants like these by their shapes only: a hit gave a second model of one shape
     the first one's weights (tests/test_engine.py). So a digest of every byte of the weights goes into the
     key (torch's `cache_key_tag`), and a later start with the same weights reads the graph; other weights
-    compile their own. With ladder's cache off, nothing is written."""
+    compile their own. With ladder's cache off (`digest` None), nothing is written."""
     from torch._inductor.compile_fx import compile_fx
 
     constants = _constant_parameters(model)
-    cached = cache_root() is not None
-    # Hashed on another thread (hashlib lets go of the GIL) while dynamo traces the step: SmolLM2's 0.4 s.
-    digest = _in_background(_digest, _named_weights(model)) if cached else None
+    cached = digest is not None
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         _inputs_as_constants(graph, example_inputs, constants)

@@ -116,7 +116,7 @@ class Engine:
         if step.compiles_step or step.compiles_layers:
             use_compile_cache()
         if step.compiles_step:
-            self._forward = compile_step(self._forward, self.device, options, self._step_model)
+            self._forward = compile_step(decode_forward, self._step_model, self.device, options)
         if step.compiles_layers:
             self._step_model.compile_layers(options.inductor_options)
         self.max_batch = self.max_seq = 0

@@ -1,0 +1,134 @@
+"""A compiled decode step that a later start loads whole, instead of tracing it again: torch's AOT compile
+(`torch.compile(...).aot_compile`, `torch.compiler.load_compiled_function`; vLLM caches its compiled models
+the same way). One file a step shape holds dynamo's bytecode, the step's guards and inductor's compiled
+code, so a second start runs no dynamo trace and no cache lookups: SmolLM2 int8's step (GEMM templates)
+loaded in 2.3 s, where torch's caches gave it back in 7.7-8.2 s (docs/compile.md).
+
+The file's name is a digest of all a step's graph depends on and its guards do not check: torch, ladder,
+the CPU's vector ISA, the model's config, every byte of its weights (constants of the graph, on a CPU
+with GEMM templates), the engine's options and the step's shape. The guards it keeps (the inputs' and
+the KV caches' shapes and dtypes) are checked at every call, and a file whose traced source has changed
+since it was written is compiled again and replaced."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ladder
+
+SUFFIX = ".aot"
+
+
+class SavedSteps:
+    """`compiled` (torch.compile of `step(model, tokens, positions, kv_len=...)`, fullgraph) at each shape,
+    loaded from `folder` where a file holds it, else compiled ahead of its first call and saved there.
+    `key()` names what else the graph depends on (see the module's docstring), asked once, at the first call.
+    A step's guards are checked at every call, as torch.compile checks them: one that fails (new KV caches
+    of another shape) makes the step again."""
+
+    def __init__(self, compiled: Any, model: torch.nn.Module, folder: Path, key: Callable[[], Sequence[str]]) -> None:
+        self._compiled, self._model, self._folder = compiled, model, folder
+        self._key_of, self._key = key, None
+        self._shapes: dict[tuple[int, int], Any] = {}
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        shape = (tokens.shape[0], kv_len)
+        step = self._shapes.get(shape)
+        if step is None or not step.guard_check(self._model, tokens, positions, kv_len=kv_len):
+            step = self._shapes[shape] = self._load_or_compile(tokens, positions, kv_len)
+            step.disable_guard_check()  # (checked above, once a call)
+        return step(self._model, tokens, positions, kv_len=kv_len)
+
+    def path_of(self, batch: int, kv_len: int) -> Path:
+        """The file of the step at this shape, over the model's buffers (its KV caches) as they are now."""
+        self._key = self._key or list(self._key_of())
+        buffers = [f"{name} {tuple(b.shape)} {b.dtype}" for name, b in self._model.named_buffers()]
+        digest = hashlib.sha256("\n".join([*self._key, *buffers, f"batch {batch}", f"kv_len {kv_len}"]).encode())
+        return self._folder / f"step-{digest.hexdigest()[:32]}{SUFFIX}"
+
+    def _load_or_compile(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> Any:
+        path = self.path_of(tokens.shape[0], kv_len)
+        step = load_step(path)
+        if step is not None and step.guard_check(self._model, tokens, positions, kv_len=kv_len):
+            return step
+        with no_autograd_cache_entries():
+            step = self._compiled.aot_compile(((self._model, tokens, positions), {"kv_len": kv_len}))
+        save_step(step, path)
+        return step
+
+
+@contextlib.contextmanager
+def no_autograd_cache_entries() -> Iterator[None]:
+    """AOT compile writes the step to AOTAutograd's cache too, under a key no later start looks up (a step's
+    own file holds the same code and constants: SmolLM2 int8's 131 MiB): what the block added there goes."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    folder = Path(cache_dir()) / "aotautograd"
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    try:
+        yield
+    finally:
+        for entry in set(folder.iterdir()) - before if folder.is_dir() else ():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def load_step(path: Path) -> Any | None:
+    """The step saved at `path`, or None: no such file, or one whose traced source has changed since."""
+    try:
+        with path.open("rb") as file:
+            step = torch.compiler.load_compiled_function(file)
+    except FileNotFoundError:
+        return None
+    return step if source_unchanged(step) else None
+
+
+def source_unchanged(step: Any) -> bool:
+    """Whether every function dynamo traced into `step` reads as it did when the step was compiled."""
+    from torch._dynamo.package import _hash_sourcelines
+
+    for source in step.source_info().inlined_sources:
+        module = sys.modules.get(source.module)
+        if module is None or _hash_sourcelines(module, source.firstlineno, source.lastlineno) != source.checksum:
+            return False
+    return True
+
+
+def save_step(step: Any, path: Path) -> None:
+    """`step` written to `path` whole or not at all (another file first, then renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        step.save_compiled_function(str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def graph_key(model: torch.nn.Module, weights_digest: str, settings: object) -> list[str]:
+    """What a compiled step's graph depends on beyond its guards (the module's docstring)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    config = getattr(model, "config", None)
+    return [f"torch {torch.__version__}", f"ladder {ladder.__version__}", f"isa {pick_vec_isa()}",
+            f"config {config!r}", f"weights {weights_digest}", f"settings {settings!r}"]
+
+
+def aot_guard_filter(keep: Callable[[list[Any]], list[bool]]) -> Callable[[list[Any]], list[bool]]:
+    """`keep`, less the guards torch cannot save: those on globals, and the kinds it does not serialize."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+
+    def saved_guards(guards: list[Any]) -> list[bool]:
+        return [kept and not guard.is_global and guard.guard_type not in unsaved
+                for kept, guard in zip(keep(guards), guards)]
+    return saved_guards
