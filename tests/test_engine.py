@@ -14,6 +14,7 @@ from ladder.quant.quantize import quantize_shard
 from ladder.runtime import compile as compile_module
 from ladder.runtime.compile import INDUCTOR_CACHE_DIR, uses_gemm_templates, weights_digest
 from ladder.runtime.engine import Engine, compiled_cache_length, decode_forward
+from ladder.runtime.precompile import load_step
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, _keep_top_k, _keep_top_k_top_p, row_generators, sample
 from ladder.runtime.step_clock import StepClock
 from ladder.serve.worker import serving_options
@@ -169,24 +170,25 @@ def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape_and_a_
     every byte of the weights: the second model of the same shape must not run the first one's, and the
     first one, started again (a new process's dynamo) for a prompt of another length, loads its step and
     compiles nothing: the cache's length is rounded up as `ladder generate` rounds it
-    (`compiled_cache_length`). Then a start where the traced functions read otherwise (a new ladder, an
-    edited model; here through the source digest torch checks) compiles the step again and replaces its
-    file. What AOT compile also wrote to AOTAutograd's cache is gone. int8 weights, as `--quantize int8`."""
+    (`compiled_cache_length`). A file whose traced functions read otherwise now (a new ladder, an edited
+    model; here through the source digest torch checks) is not loaded. What AOT compile also wrote to AOTAutograd's cache is gone. int8 weights, as `--quantize int8`."""
     from torch._dynamo import package
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv(CPU_GEMM_TEMPLATES, "1")
     monkeypatch.setenv(INDUCTOR_OPTIONS, '{"max_autotune_gemm_backends": "CPP"}')
     monkeypatch.setenv(INDUCTOR_CACHE_DIR, str(tmp_path / "inductor"))  # an empty cache
-    for start, (seed, prompt) in enumerate(((0, PROMPT), (1, PROMPT), (0, PROMPT[:, :3]), (0, PROMPT))):
-        if start == 3:
-            monkeypatch.setattr(package, "_hash_sourcelines", lambda *_: "another source")
+    for start, (seed, prompt) in enumerate(((0, PROMPT), (1, PROMPT), (0, PROMPT[:, :3]))):
         eager, compiled, max_seq = int8_engines(seed, prompt)
         assert compiled.generate(prompt, 6, max_seq=max_seq).tokens == eager, f"seed {seed}"
         assert counters["aot_autograd"]["total"] == (0 if start == 2 else 1), (start, dict(counters["aot_autograd"]))
         assert start == 2 or counters["inductor"]["cpp_templated_kernel_counter"] > 0, dict(counters["inductor"])
         assert len(list((tmp_path / "inductor" / "ladder-steps").glob("*.aot"))) == min(start + 1, 2)
         assert not any((tmp_path / "inductor" / "aotautograd").glob("*"))
+    saved = compiled._forward.path_of(PROMPT.shape[0], max_seq)
+    assert load_step(saved) is not None
+    monkeypatch.setattr(package, "_hash_sourcelines", lambda *_: "another source")
+    assert load_step(saved) is None  # so the step is compiled again (`SavedSteps._load_or_compile`)
 
 
 def int8_engines(seed: int, prompt: torch.Tensor) -> tuple[list[list[int]], Engine, int]:
