@@ -241,12 +241,13 @@ def test_the_weights_digest_reads_every_byte_and_not_the_kv_cache():
 
 
 @pytest.mark.parametrize("layout", ["ladder", "parallel"])
-def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(layout):
+def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(monkeypatch, tmp_path, layout):
     """Regional compilation: one graph per branch, however many layers (6 here), one for the head, and
     the prefill eager (error_on_recompile: a layer that needed its own graph, or a prefill compiled then
-    a decode step compiled for the same code, raises)."""
+    a decode step compiled for the same code, raises). (Saved in a folder of the test's own.)"""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv(INDUCTOR_CACHE_DIR, str(tmp_path / "inductor"))
     model = make_model(tiny(layout=layout, n_layers=6, ladder_layers=4 if layout == "ladder" else None))
     eager = Engine(model).generate(PROMPT, 6).tokens
     torch._dynamo.reset()
@@ -260,13 +261,14 @@ def test_compiled_layers_decode_equals_eager_and_every_layer_reuses_one_graph(la
 
 @pytest.mark.parametrize("layout, ladder_layers", [("ladder", 3), ("parallel", None), ("desync", None)])
 def test_a_warm_up_of_compiled_layers_runs_two_layers_and_makes_every_graph_the_whole_depth_needs(
-        monkeypatch, layout, ladder_layers):
+        monkeypatch, tmp_path, layout, ladder_layers):
     """The warm-up runs each shape through the first two layers only (WARM_UP_LAYERS), and a decode step at
     every shape through all five then compiles nothing (error_on_recompile). Hybrid has standard and ladder
     layers; desync the unsynchronised streams (upper bound's too). Dynamo's eager backend: which
-    graphs exist is dynamo's, and inductor would take a minute."""
+    graphs exist is dynamo's, and inductor would take a minute. (Saved in a folder of the test's own.)"""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv(INDUCTOR_CACHE_DIR, str(tmp_path / "inductor"))
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **kw, backend="eager"))
     torch._dynamo.reset()
@@ -351,7 +353,8 @@ def test_inductor_options_reach_every_compiled_step_and_bad_ones_are_refused(mon
     Engine(make_model(tiny(layout="ladder")), DecodeStep.COMPILED)
     from ladder.model.transformer import Block
 
-    assert len(options) == 2 * len(Block.STEPS) + 1 + 1  # each layer's steps and the head; the whole step
+    # each step's function, saved for every layer (the suite's cache is on), and the head; the whole step
+    assert len(options) == len(Block.STEPS) + 1 + 1
     assert all(o["coordinate_descent_tuning"] is True for o in options)
     for text, message in [("{oops", "LADDER_INDUCTOR_OPTIONS is not JSON"),
                           ("[1]", "LADDER_INDUCTOR_OPTIONS must be a JSON object"),

@@ -191,13 +191,14 @@ def test_a_step_with_running_rows_and_a_prompt_chunk_runs_one_forward(monkeypatc
     assert forwards == ["mixed"]
 
 
-def test_compiled_layers_at_padded_shapes_give_every_request_its_eager_tokens():
+def test_compiled_layers_at_padded_shapes_give_every_request_its_eager_tokens(monkeypatch, tmp_path):
     """Three requests decode padded to four rows while a fourth prefills in row 3: the padding row's
     writes (at the cache's last position) must not reach it. Every shape compiles in the warm-up, and none
     after it; the cache length is dynamic: the attention step compiles twice a batch size (below the whole
-    cache, and the whole cache), not once a shape."""
+    cache, and the whole cache), not once a shape. (Saved in a folder of the test's own.)"""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     model = make_model(tiny(layout="ladder", ladder_layers=2, max_seq_len=256))
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], list(range(5, 25))]  # the last prefills in 5 chunks
     requests = [(p, greedy(n)) for p, n in zip(prompts, [12, 9, 10, 7])]

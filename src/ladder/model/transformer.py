@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,6 +218,21 @@ class Block(nn.Module):
 # traces its own, and a layer that matches no entry adds one (a limit of entries would fail the compile).
 compile_region = torch.compiler.nested_compile_region(max_reuse_entries=1 << 20)
 
+SavedCompile = Callable[[str, Callable[..., Any], tuple[tuple[int, int], ...]], Callable[[nn.Module], Callable[..., Any]]]
+"""How `Transformer.compile_layers` has a step compiled and saved: (its name, the function, its dynamic
+dimensions as (argument, dimension) pairs) -> a function that binds it to a layer (or to the model, for the head)."""
+MASK_CACHE_DIM = 3  # a decode mask's (B, 1, T, cache positions)
+
+
+def _dynamic(step: str) -> bool | None:
+    """A compiled layer step's `dynamic`: attention's cache length is (`_layers` marks it); the MLP is static, as the head."""
+    return None if step in ("attention_step", "parallel_step") else False
+
+
+def _dynamic_dims(step: str) -> tuple[tuple[int, int], ...]:
+    """A saved layer step's dynamic dimensions: attention's mask (its sixth argument, the layer first) over the cache."""
+    return ((5, MASK_CACHE_DIM),) if _dynamic(step) is None else ()
+
 
 @compile_region
 def attention_region(layer: Block, r: torch.Tensor, arrived: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -267,7 +282,7 @@ class Transformer(nn.Module):
         # computed once materialised (`reset_buffers`): arange on meta would import torch._dynamo too
         self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
         self.max_batch = self.max_seq = 0
-        self.layers_compiled = False  # `compile_layers`
+        self.layers_compiled = self.layers_saved = False  # `compile_layers`
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head (tied models, unsharded vocabulary).
@@ -325,7 +340,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", other.rope_sin, persistent=False)
         self.max_batch, self.max_seq = other.max_batch, other.max_seq
 
-    def compile_layers(self, inductor_options: Mapping[str, Any] | None = None) -> None:
+    def compile_layers(self, inductor_options: Mapping[str, Any] | None = None,
+                       saved: SavedCompile | None = None) -> None:
         """Regional compilation, in place (an engine compiles its own view: `view`): torch.compile each layer's steps (residual add + norm +
         attention and residual add + norm + MLP, or parallel's pair under one norm), not the whole forward.
         Every layer runs the same code with its own weights as inputs, so all layers reuse one compiled
@@ -335,15 +351,24 @@ class Transformer(nn.Module):
         too: an int8 head runs torchao's int8 kernel only compiled (eager, it casts the whole table).
         A prefill, of many lengths, runs on another view that is not compiled. The cache length is dynamic
         (`_layers` marks the mask's): attention compiles twice a batch size (below the whole cache, and
-        the whole cache), not once a cache length, which a second start would trace again (docs/compile.md)."""
+        the whole cache), not once a cache length, which a second start would trace again (docs/compile.md).
+        `saved(name, function, dynamic)`: each step compiled and saved for a later start instead
+        (`ladder.runtime.compile.saved_layer_steps`), one function for every layer."""
+        self.layers_compiled = True
+        if saved is not None:  # one function a step, which each layer calls with itself
+            self.layers_saved = True
+            for name in Block.STEPS:
+                bind = saved(name, getattr(Block, name), _dynamic_dims(name))
+                for layer in self.layers:
+                    setattr(layer, name, bind(layer))
+            self.head = saved("head", Transformer.head, ())(self)
+            return
         options = dict(inductor_options or {}) or None
         for layer in self.layers:
             for name in Block.STEPS:
                 step = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
-                dynamic = None if name in ("attention_step", "parallel_step") else False  # MLP: static, as the head
-                setattr(layer, name, torch.compile(step, fullgraph=True, dynamic=dynamic, options=options))
+                setattr(layer, name, torch.compile(step, fullgraph=True, dynamic=_dynamic(name), options=options))
         self.head = torch.compile(Transformer.head.__get__(self), fullgraph=True, dynamic=False, options=options)
-        self.layers_compiled = True
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, 1, T, hd) of each row's positions (B, T), to broadcast over heads."""
@@ -397,8 +422,8 @@ class Transformer(nn.Module):
                 raise RuntimeError("call setup_caches() before a forward with input_pos")
             input_pos = positions
             rope, mask = self.cached_rope(positions, r.dtype), cache_mask(positions, kv_len or self.max_seq)
-            if self.layers_compiled:  # one graph for every cache length (`compile_layers`)
-                torch._dynamo.maybe_mark_dynamic(mask, 3)
+            if self.layers_compiled and not self.layers_saved:  # one graph for every cache length (`compile_layers`)
+                torch._dynamo.maybe_mark_dynamic(mask, MASK_CACHE_DIM)
         return self._layout_layers(r, rope, input_pos, mask, rows)
 
     def forward_mixed(self, groups: Sequence[tuple[slice, torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:

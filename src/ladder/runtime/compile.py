@@ -21,9 +21,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ladder.comm.emulated import EmulatedCommunicator, trace_emulated_launches
 from ladder.cpu.inductor_fix import keep_mutation_renames
 from ladder.model.config import cpu_computes_in_bf16
-from ladder.model.transformer import KVCache, Transformer
+from ladder.model.transformer import KVCache, SavedCompile, Transformer
 from ladder.options import RuntimeOptions, cache_root
-from ladder.runtime.precompile import SavedSteps, aot_guard_filter, graph_key
+from ladder.runtime.precompile import BoundGraphs, SavedGraphs, SavedSteps, aot_guard_filter, graph_key
 
 INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -86,6 +86,30 @@ def compile_step(step: Callable[..., torch.Tensor], model: Transformer, device: 
         return SavedSteps(compiled, model, Path(os.environ[INDUCTOR_CACHE_DIR]) / "ladder-steps",
                           lambda: graph_key(model, digest.result(), (options, inductor, comm_key(model.comm))))
     return functools.partial(compiled, model)
+
+
+def saved_layer_steps(model: Transformer, device: torch.device, options: RuntimeOptions) -> SavedCompile | None:
+    """How `Transformer.compile_layers` compiles a layer step (or the head) and saves its graphs for a later
+    start (`ladder.runtime.precompile.SavedGraphs`), in a folder named by what they depend on beyond their
+    guards (the weights are inputs: their names, kinds and shapes); None where steps are not saved."""
+    if not saves_layer_steps(model, device, options):
+        return None
+    weights = [f"{name} {type(p).__name__} {p.dtype} {tuple(p.shape)}" for name, p in model.named_parameters()]
+    key = graph_key(model, hashlib.sha256("\n".join(weights).encode()).hexdigest(), (options, comm_key(model.comm)))
+    folder = (Path(os.environ[INDUCTOR_CACHE_DIR]) / "ladder-layers"
+              / hashlib.sha256("\n".join(key).encode()).hexdigest()[:32])
+    settings = {**options.inductor_options, "guard_filter_fn": aot_guard_filter(lambda guards: [True] * len(guards))}
+
+    def saved(name: str, function: Callable[..., Any], dynamic_dims: tuple[tuple[int, int], ...]) -> Callable[..., Any]:
+        compiled = torch.compile(function, fullgraph=True, dynamic=None if dynamic_dims else False, options=settings)
+        return functools.partial(BoundGraphs, SavedGraphs(compiled, folder, name, dynamic_dims))
+    return saved
+
+
+def saves_layer_steps(model: Transformer, device: torch.device, options: RuntimeOptions) -> bool:
+    """Whether compiled layers are saved: where a whole step is, but with flex attention (its compile needs
+    dynamo's tracing context, which AOT compile does not give it)."""
+    return saves_steps(model, device) and options.decode_attention_on(device.type) != "flex"
 
 
 def saves_steps(model: Transformer, device: torch.device) -> bool:

@@ -36,7 +36,8 @@ from ladder.errors import LadderError
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.transformer import HALF_PRECISION, Transformer
 from ladder.options import DecodeStep, RuntimeOptions
-from ladder.runtime.compile import compile_step, use_compile_cache, uses_gemm_templates
+from ladder.runtime.compile import (compile_step, saved_layer_steps, saves_layer_steps, use_compile_cache,
+                                    uses_gemm_templates)
 from ladder.runtime.cuda_graph import CudaGraphStep
 from ladder.runtime.limits import check_context, check_token_ids
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, row_generators, sample
@@ -108,8 +109,12 @@ class Engine:
         self._step_model = self.model
         if step.compiles_step or step.compiles_layers:
             self._step_model = model.view().eval()  # plain weights (inductor lays them out itself), torchao's int8
+            # torchao's int8 layers as plain int8 rows and scales where the step's weights are constants of its
+            # graph (GEMM templates), and in compiled layers that are saved: torch cannot save the guards of a
+            # tensor subclass (its guards go through `empty_like` on meta, which torchao's does not implement)
+            saved_layers = step.compiles_layers and saves_layer_steps(self._step_model, self.device, options)
             linear_forms(self._step_model, pack=False, int8_rows=False, upcast=upcast,
-                         int8_matmul=step.compiles_step and uses_gemm_templates(options, self.device))
+                         int8_matmul=step.compiles_step and uses_gemm_templates(options, self.device) or saved_layers)
             self._step_model.attend_with(options.decode_attention_on(self.device.type), compute_dtype)
         self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, self._step_model,
                                                                        rows_as_slice=step.compiles_layers)
@@ -118,7 +123,8 @@ class Engine:
         if step.compiles_step:
             self._forward = compile_step(decode_forward, self._step_model, self.device, options)
         if step.compiles_layers:
-            self._step_model.compile_layers(options.inductor_options)
+            self._step_model.compile_layers(options.inductor_options,
+                                             saved_layer_steps(self._step_model, self.device, options))
         self.max_batch = self.max_seq = 0
         self.batch_sizes: list[int] = []
         self.kv_lens: list[int] = []

@@ -45,7 +45,6 @@ class SavedSteps:
         step = self._shapes.get(shape)
         if step is None or not step.guard_check(self._model, tokens, positions, kv_len=kv_len):
             step = self._shapes[shape] = self._load_or_compile(tokens, positions, kv_len)
-            step.disable_guard_check()  # (checked above, once a call)
         return step(self._model, tokens, positions, kv_len=kv_len)
 
     def path_of(self, batch: int, kv_len: int) -> Path:
@@ -62,8 +61,79 @@ class SavedSteps:
             return step
         with no_autograd_cache_entries():
             step = self._compiled.aot_compile(((self._model, tokens, positions), {"kv_len": kv_len}))
+        step.disable_guard_check()  # (checked by the caller, once a call)
         save_step(step, path)
         return step
+
+
+class SavedGraphs:
+    """A function that runs at a few shapes (a layer's step: `Transformer.compile_layers`), compiled
+    (`compiled`: torch.compile, fullgraph), each of its graphs saved to a file `NAME-*.aot` in `folder`.
+    The first call loads every such file; a call runs the graph whose guards pass (the one that ran last is
+    tried first), and a call that none takes is compiled ahead of time and saved."""
+
+    def __init__(self, compiled: Any, folder: Path, name: str, dynamic_dims: Sequence[tuple[int, int]] = ()) -> None:
+        self._compiled, self._folder, self._name = compiled, folder, name
+        self._dynamic_dims = tuple(dynamic_dims)
+        self._graphs: list[Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self._graphs is None:
+            self._graphs = [graph for path in sorted(self._folder.glob(f"{self._name}-*{SUFFIX}"))
+                            if (graph := load_step(path)) is not None]
+        for i, graph in enumerate(self._graphs):
+            if graph.guard_check(*args):
+                self._graphs.insert(0, self._graphs.pop(i))
+                return graph(*args)
+        graph = self._compile(args)
+        save_step(graph, self._folder / f"{self._name}-{signature_digest(args)}{SUFFIX}")
+        self._graphs.insert(0, graph)
+        return graph(*args)
+
+    def _compile(self, args: tuple[Any, ...]) -> Any:
+        """A graph for `args`, dynamic in `dynamic_dims`: marked on the arguments while it compiles only, as a
+        loaded graph's guards take arguments without dynamo's marks."""
+        marked = [args[i] for i, _ in self._dynamic_dims]
+        for tensor, (_, dim) in zip(marked, self._dynamic_dims):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        try:
+            with no_autograd_cache_entries():
+                graph = self._compiled.aot_compile((args, {}))
+        finally:
+            for tensor in marked:  # (the attributes `maybe_mark_dynamic` sets)
+                for mark in ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking"):
+                    tensor.__dict__.pop(mark, None)
+        graph.disable_guard_check()  # (checked by the caller, once a call)
+        return graph
+
+
+class BoundGraphs:
+    """`graphs` called with `owner` first: a saved step set as a layer's own method (`layer.mlp_step(...)`).
+    torch saves a layer with the guards of a graph that takes it, and cannot save a callable of this kind:
+    it is saved as nothing (a loaded graph gets its layer at each call)."""
+
+    def __init__(self, graphs: SavedGraphs, owner: torch.nn.Module) -> None:
+        self.graphs, self.owner = graphs, owner
+
+    def __call__(self, *args: Any) -> Any:
+        return self.graphs(self.owner, *args)
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        return _nothing, ()
+
+
+def _nothing() -> None:
+    return None
+
+
+def signature_digest(args: Sequence[Any]) -> str:
+    """A digest of the arguments' kinds: each tensor's shape, strides and dtype, each module's class, the rest's repr."""
+    def kind(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{tuple(value.shape)} {value.stride()} {value.dtype}"
+        return type(value).__name__ if isinstance(value, torch.nn.Module) else repr(value)
+    leaves = torch.utils._pytree.tree_leaves(list(args))
+    return hashlib.sha256("\n".join(map(kind, leaves)).encode()).hexdigest()[:32]
 
 
 @contextlib.contextmanager
@@ -88,7 +158,10 @@ def load_step(path: Path) -> Any | None:
             step = torch.compiler.load_compiled_function(file)
     except FileNotFoundError:
         return None
-    return step if source_unchanged(step) else None
+    if not source_unchanged(step):
+        return None
+    step.disable_guard_check()  # (its caller checks them, once a call)
+    return step
 
 
 def source_unchanged(step: Any) -> bool:
