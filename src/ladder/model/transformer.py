@@ -163,7 +163,8 @@ class Block(nn.Module):
     """One layer's two modules. Which output a module adds to the stream, and the all-reduces, belong to
     `Transformer.forward`."""
 
-    STEPS = ("attention_step", "mlp_step", "parallel_step")  # what `Transformer.compile_layers` compiles
+    STEPS = ("attention_step", "mlp_step", "parallel_step")  # what `ladder.runtime.compile.compile_layers` compiles
+    MASKED = ("attention_step", "parallel_step")  # their sixth argument (the layer first) is the mask
 
     def __init__(self, config: ModelConfig, shard: ShardShape) -> None:
         super().__init__()
@@ -190,7 +191,7 @@ class Block(nn.Module):
 
     # A step is a branch with the residual add before it: r + arrived (the module output that the layout
     # adds to the stream here, or zeros), and the branch's output of that sum. Compiled as one graph
-    # (`Transformer.compile_layers`), the add fuses into the norm's kernel instead of running as a kernel
+    # (`ladder.runtime.compile.compile_layers`), the add fuses into the norm's kernel instead of running as a kernel
     # of its own between two compiled graphs: 2 of a decode step's ~13 small kernels a layer on a GPU.
 
     def attention_step(self, r: torch.Tensor, arrived: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -217,21 +218,7 @@ class Block(nn.Module):
 # Flat arguments (the layer, tensors, None) are matched at once; a slice of rows is not, so such a call
 # traces its own, and a layer that matches no entry adds one (a limit of entries would fail the compile).
 compile_region = torch.compiler.nested_compile_region(max_reuse_entries=1 << 20)
-
-SavedCompile = Callable[[str, Callable[..., Any], tuple[tuple[int, int], ...]], Callable[[nn.Module], Callable[..., Any]]]
-"""How `Transformer.compile_layers` has a step compiled and saved: (its name, the function, its dynamic
-dimensions as (argument, dimension) pairs) -> a function that binds it to a layer (or to the model, for the head)."""
-MASK_CACHE_DIM = 3  # a decode mask's (B, 1, T, cache positions)
-
-
-def _dynamic(step: str) -> bool | None:
-    """A compiled layer step's `dynamic`: attention's cache length is (`_layers` marks it); the MLP is static, as the head."""
-    return None if step in ("attention_step", "parallel_step") else False
-
-
-def _dynamic_dims(step: str) -> tuple[tuple[int, int], ...]:
-    """A saved layer step's dynamic dimensions: attention's mask (its sixth argument, the layer first) over the cache."""
-    return ((5, MASK_CACHE_DIM),) if _dynamic(step) is None else ()
+MASK_CACHE_DIM = 3  # a decode mask's (B, 1, T, cache positions): dynamic in compiled layers' attention
 
 
 @compile_region
@@ -339,36 +326,6 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", other.rope_cos, persistent=False)
         self.register_buffer("rope_sin", other.rope_sin, persistent=False)
         self.max_batch, self.max_seq = other.max_batch, other.max_seq
-
-    def compile_layers(self, inductor_options: Mapping[str, Any] | None = None,
-                       saved: SavedCompile | None = None) -> None:
-        """Regional compilation, in place (an engine compiles its own view: `view`): torch.compile each layer's steps (residual add + norm +
-        attention and residual add + norm + MLP, or parallel's pair under one norm), not the whole forward.
-        Every layer runs the same code with its own weights as inputs, so all layers reuse one compiled
-        graph per step and input shape: compiling 80 layers costs what compiling one does (a compiled
-        forward grows with the layers). The all-reduces and their waits stay eager, so every layout keeps
-        its eager schedule: ladder's all-reduces overlap the next step. The final norm and head are compiled
-        too: an int8 head runs torchao's int8 kernel only compiled (eager, it casts the whole table).
-        A prefill, of many lengths, runs on another view that is not compiled. The cache length is dynamic
-        (`_layers` marks the mask's): attention compiles twice a batch size (below the whole cache, and
-        the whole cache), not once a cache length, which a second start would trace again (docs/compile.md).
-        `saved(name, function, dynamic)`: each step compiled and saved for a later start instead
-        (`ladder.runtime.compile.saved_layer_steps`), one function for every layer."""
-        self.layers_compiled = True
-        if saved is not None:  # one function a step, which each layer calls with itself
-            self.layers_saved = True
-            for name in Block.STEPS:
-                bind = saved(name, getattr(Block, name), _dynamic_dims(name))
-                for layer in self.layers:
-                    setattr(layer, name, bind(layer))
-            self.head = saved("head", Transformer.head, ())(self)
-            return
-        options = dict(inductor_options or {}) or None
-        for layer in self.layers:
-            for name in Block.STEPS:
-                step = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
-                setattr(layer, name, torch.compile(step, fullgraph=True, dynamic=_dynamic(name), options=options))
-        self.head = torch.compile(Transformer.head.__get__(self), fullgraph=True, dynamic=False, options=options)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, 1, T, hd) of each row's positions (B, T), to broadcast over heads."""

@@ -1,6 +1,5 @@
 """A decode step compiled as one graph (`--compile`): inductor's settings for it, its guards, and its
-weights as constants of the graph on a CPU. (`--compile-layers` compiles each layer instead:
-`Transformer.compile_layers`.)"""
+weights as constants of the graph on a CPU; `--compile-layers` compiles each layer instead (`compile_layers`)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import itertools
 import os
 import threading
 import unittest.mock
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ladder.comm.emulated import EmulatedCommunicator, trace_emulated_launches
 from ladder.cpu.inductor_fix import keep_mutation_renames
 from ladder.model.config import cpu_computes_in_bf16
-from ladder.model.transformer import KVCache, SavedCompile, Transformer
+from ladder.model.transformer import MASK_CACHE_DIM, Block, KVCache, Transformer
 from ladder.options import RuntimeOptions, cache_root
 from ladder.runtime.precompile import BoundGraphs, SavedGraphs, SavedSteps, aot_guard_filter, graph_key
 
@@ -88,8 +87,40 @@ def compile_step(step: Callable[..., torch.Tensor], model: Transformer, device: 
     return functools.partial(compiled, model)
 
 
-def saved_layer_steps(model: Transformer, device: torch.device, options: RuntimeOptions) -> SavedCompile | None:
-    """How `Transformer.compile_layers` compiles a layer step (or the head) and saves its graphs for a later
+def compile_layers(model: Transformer, inductor_options: Mapping[str, Any] | None = None,
+                   saved: Callable[..., Callable[[torch.nn.Module], Callable[..., Any]]] | None = None) -> None:
+    """Regional compilation, in place (an engine compiles its own view: `Transformer.view`): torch.compile each layer's steps (residual add + norm +
+    attention and residual add + norm + MLP, or parallel's pair under one norm), not the whole forward.
+    Every layer runs the same code with its own weights as inputs, so all layers reuse one compiled
+    graph per step and input shape: compiling 80 layers costs what compiling one does (a compiled
+    forward grows with the layers). The all-reduces and their waits stay eager, so every layout keeps
+    its eager schedule: ladder's all-reduces overlap the next step. The final norm and head are compiled
+    too: an int8 head runs torchao's int8 kernel only compiled (eager, it casts the whole table).
+    A prefill, of many lengths, runs on another view that is not compiled. The cache length is dynamic
+    (`Transformer._layers` marks the mask's): attention compiles twice a batch size (below the whole cache, and
+    the whole cache), not once a cache length, which a second start would trace again (docs/compile.md).
+    `saved(name, function, dynamic (argument, dim) pairs)`: each step compiled and saved for a later
+    start instead, bound to each layer (`ladder.runtime.compile.saved_layer_steps`)."""
+    model.layers_compiled = True
+    if saved is not None:  # one function a step, which each layer calls with itself
+        model.layers_saved = True
+        for name in Block.STEPS:
+            bind = saved(name, getattr(Block, name), ((5, MASK_CACHE_DIM),) if name in Block.MASKED else ())
+            for layer in model.layers:
+                setattr(layer, name, bind(layer))
+        model.head = saved("head", Transformer.head, ())(model)
+        return
+    options = dict(inductor_options or {}) or None
+    for layer in model.layers:
+        for name in Block.STEPS:
+            step = getattr(Block, name).__get__(layer)  # the method itself, even if compiled before
+            dynamic = None if name in Block.MASKED else False  # MLP: static, as the head
+            setattr(layer, name, torch.compile(step, fullgraph=True, dynamic=dynamic, options=options))
+    model.head = torch.compile(Transformer.head.__get__(model), fullgraph=True, dynamic=False, options=options)
+
+
+def saved_layer_steps(model: Transformer, device: torch.device, options: RuntimeOptions) -> Callable[..., Any] | None:
+    """How `compile_layers` compiles a layer step (or the head) and saves its graphs for a later
     start (`ladder.runtime.precompile.SavedGraphs`), in a folder named by what they depend on beyond their
     guards (the weights are inputs: their names, kinds and shapes); None where steps are not saved."""
     if not saves_layer_steps(model, device, options):

@@ -36,7 +36,7 @@ from ladder.errors import LadderError
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.transformer import HALF_PRECISION, Transformer
 from ladder.options import DecodeStep, RuntimeOptions
-from ladder.runtime.compile import (compile_step, saved_layer_steps, saves_layer_steps, use_compile_cache,
+from ladder.runtime.compile import (compile_layers, compile_step, saved_layer_steps, saves_layer_steps, use_compile_cache,
                                     uses_gemm_templates)
 from ladder.runtime.cuda_graph import CudaGraphStep
 from ladder.runtime.limits import check_context, check_token_ids
@@ -81,7 +81,7 @@ class Engine:
     - compiled: the whole step one graph (with CUDA graphs on CUDA: mode="reduce-overhead"); compiling
       takes longer the more layers the model has;
     - compiled layers: each layer's branches compiled, one graph shared by every layer
-      (`Transformer.compile_layers`), the step between them eager;
+      (`ladder.runtime.compile.compile_layers`), the step between them eager;
     - CUDA graph: the step, eager or with compiled layers, captured as one CUDA graph (`CudaGraphStep`).
     Everything it decides (the linear layers' forms, the attention, what compiles) is decided here, once,
     from `options` (`RuntimeOptions`; a `DecodeStep` alone: that step with the environment's settings), on views of
@@ -123,8 +123,8 @@ class Engine:
         if step.compiles_step:
             self._forward = compile_step(decode_forward, self._step_model, self.device, options)
         if step.compiles_layers:
-            self._step_model.compile_layers(options.inductor_options,
-                                             saved_layer_steps(self._step_model, self.device, options))
+            compile_layers(self._step_model, options.inductor_options,
+                           saved_layer_steps(self._step_model, self.device, options))
         self.max_batch = self.max_seq = 0
         self.batch_sizes: list[int] = []
         self.kv_lens: list[int] = []
@@ -162,7 +162,7 @@ class Engine:
         """Run every shape of the decode step once, every row a padding row: compiles or captures each,
         writes only the scratch position. After it, decode steps compile nothing. `on_shape(done, of)`
         after each shape (a progress line). Compiled layers run through the first WARM_UP_LAYERS layers
-        only: every layer reuses their graphs (`Transformer.compile_layers`), and the whole depth would
+        only: every layer reuses their graphs (`ladder.runtime.compile.compile_layers`), and the whole depth would
         only compute (SmolLM2's 32 shapes through 30 layers: 4.2-4.7 s on two AVX2 cores, measured by
         experiments/investigations/serve_start.py)."""
         shallow = self.step is DecodeStep.COMPILED_LAYERS  # (a CUDA graph captures what runs: the whole depth)

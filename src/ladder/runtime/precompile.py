@@ -67,7 +67,7 @@ class SavedSteps:
 
 
 class SavedGraphs:
-    """A function that runs at a few shapes (a layer's step: `Transformer.compile_layers`), compiled
+    """A function that runs at a few shapes (a layer's step: `ladder.runtime.compile.compile_layers`), compiled
     (`compiled`: torch.compile, fullgraph), each of its graphs saved to a file `NAME-*.aot` in `folder`.
     The first call loads every such file; a call runs the graph whose guards pass (the one that ran last is
     tried first), and a call that none takes is compiled ahead of time and saved."""
