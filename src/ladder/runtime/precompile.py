@@ -83,7 +83,8 @@ class SavedGraphs:
                             if (graph := load_step(path)) is not None]
         for i, graph in enumerate(self._graphs):
             if graph.guard_check(*args):
-                self._graphs.insert(0, self._graphs.pop(i))
+                if i:  # (a step's 61 calls mostly find the first: no list work on the hot path)
+                    self._graphs.insert(0, self._graphs.pop(i))
                 return graph(*args)
         graph = self._compile(args)
         save_step(graph, self._folder / f"{self._name}-{signature_digest(args)}{SUFFIX}")
