@@ -59,11 +59,7 @@ class SavedSteps:
         step = load_step(path)
         if step is not None and step.guard_check(self._model, tokens, positions, kv_len=kv_len):
             return step
-        with no_autograd_cache_entries():
-            step = self._compiled.aot_compile(((self._model, tokens, positions), {"kv_len": kv_len}))
-        step.disable_guard_check()  # (checked by the caller, once a call)
-        save_step(step, path)
-        return step
+        return compile_and_save(self._compiled, (self._model, tokens, positions), {"kv_len": kv_len}, path)
 
 
 class SavedGraphs:
@@ -86,26 +82,23 @@ class SavedGraphs:
                 if i:  # (a step's 61 calls mostly find the first: no list work on the hot path)
                     self._graphs.insert(0, self._graphs.pop(i))
                 return graph(*args)
-        graph = self._compile(args)
-        save_step(graph, self._folder / f"{self._name}-{signature_digest(args)}{SUFFIX}")
+        graph = self._compile_and_save(args)
         self._graphs.insert(0, graph)
         return graph(*args)
 
-    def _compile(self, args: tuple[Any, ...]) -> Any:
+    def _compile_and_save(self, args: tuple[Any, ...]) -> Any:
         """A graph for `args`, dynamic in `dynamic_dims`: marked on the arguments while it compiles only, as a
         loaded graph's guards take arguments without dynamo's marks."""
         marked = [args[i] for i, _ in self._dynamic_dims]
         for tensor, (_, dim) in zip(marked, self._dynamic_dims):
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         try:
-            with no_autograd_cache_entries():
-                graph = self._compiled.aot_compile((args, {}))
+            return compile_and_save(self._compiled, args, {},
+                                    self._folder / f"{self._name}-{signature_digest(args)}{SUFFIX}")
         finally:
             for tensor in marked:  # (the attributes `maybe_mark_dynamic` sets)
                 for mark in ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking"):
                     tensor.__dict__.pop(mark, None)
-        graph.disable_guard_check()  # (checked by the caller, once a call)
-        return graph
 
 
 class BoundGraphs:
@@ -150,6 +143,16 @@ def no_autograd_cache_entries() -> Iterator[None]:
     finally:
         for entry in set(folder.iterdir()) - before if folder.is_dir() else ():
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def compile_and_save(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any], path: Path) -> Any:
+    """`compiled` (torch.compile, fullgraph) compiled ahead of time for these arguments and saved to `path`;
+    its guards are left to its caller, who checks them once a call."""
+    with no_autograd_cache_entries():
+        step = compiled.aot_compile((args, kwargs))
+    step.disable_guard_check()
+    save_step(step, path)
+    return step
 
 
 def load_step(path: Path) -> Any | None:
