@@ -115,6 +115,21 @@ def test_the_products_decode_attention_takes_long_caches_where_atens_would_upcas
     assert kernels == ["products", beyond]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_matmul_decode_attention_reads_each_rows_own_positions_of_a_strided_cache(dtype):
+    """The eager half-precision kernel: grouped query heads over a slice of a larger cache (as a decode step
+    reads it), each row masked to its own positions, gives ATen's attention."""
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.randn(3, 2, 40, 8, generator=generator).to(dtype)  # (rows, KV heads, cache positions, hd)
+    k, v = cache[:, :, :24], cache.flip(2)[:, :, :24]
+    q = torch.randn(3, 6, 1, 8, generator=generator).to(dtype)
+    mask = attention_module.cache_mask(torch.tensor([[0], [9], [23]]), 24)
+    got = attention_module.attend(q, k, v, mask, "matmul")
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got.float(), reference, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    torch.testing.assert_close(got[0].float(), v[0, :, :1].float().repeat_interleave(3, 0), atol=1e-2, rtol=0)
+
+
 @pytest.mark.parametrize("computes_in_bf16", [True, False])
 def test_an_engine_upcasts_half_precision_only_on_a_cpu_without_bf16_arithmetic(monkeypatch, computes_in_bf16):
     """The engine decides it once, for its own view: attention and plain linear layers in float32 on such a
@@ -126,6 +141,7 @@ def test_an_engine_upcasts_half_precision_only_on_a_cpu_without_bf16_arithmetic(
     engine = Engine(model)
     attention = engine.model.layers[0].attention
     assert attention.compute_dtype == (None if computes_in_bf16 else torch.float32)
+    assert attention.decode_kernel == ("matmul" if computes_in_bf16 else "sdpa")
     assert isinstance(attention.wqkv, nn.Linear if computes_in_bf16 else linears.UpcastLinear)
     assert isinstance(model.layers[0].attention.wqkv, nn.Linear) and model.layers[0].attention.compute_dtype is None
     shared = attention.wqkv if computes_in_bf16 else attention.wqkv.layer

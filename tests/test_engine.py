@@ -309,8 +309,8 @@ def test_a_compiled_forward_traces_one_layers_modules_and_stamps_out_the_others(
     torch.testing.assert_close(compiled, decode_forward(model, tokens, positions, 8))
 
 
-@pytest.mark.parametrize("kernel, traces", [("sdpa", set()), ("products", {"decode_attention"}),
-                                            ("flex", {"flex_decode_attention"})])
+@pytest.mark.parametrize("kernel, traces", [("sdpa", set()), ("matmul", {"matmul_decode_attention"}),
+                                            ("products", {"decode_attention"}), ("flex", {"flex_decode_attention"})])
 def test_each_decode_attention_kernel_gives_eager_tokens(kernel, traces, monkeypatch):
     """LADDER_DECODE_ATTENTION picks a decode step's attention (a compiled step's on CPU: "products" by
     default); each attends to each row's own positions: the tokens of the eager step, which attends through
@@ -320,7 +320,7 @@ def test_each_decode_attention_kernel_gives_eager_tokens(kernel, traces, monkeyp
     model = make_model(tiny(layout="ladder", n_layers=2, ladder_layers=1))
     eager = Engine(model).generate(PROMPT, 6).tokens
     traced = set()
-    for name in ("decode_attention", "flex_decode_attention"):  # the kernels other than ATen's
+    for name in ("matmul_decode_attention", "decode_attention", "flex_decode_attention"):  # not ATen's
         def spy(*args, real=getattr(model_module, name), name=name):
             traced.add(name)
             return real(*args)
@@ -333,7 +333,7 @@ def test_each_decode_attention_kernel_gives_eager_tokens(kernel, traces, monkeyp
         assert Engine(model, RuntimeOptions(decode_attention=kernel)).generate(PROMPT, 6).tokens == eager
         assert traced == traces
     monkeypatch.setenv(DECODE_ATTENTION, "paged")
-    with pytest.raises(LadderError, match="unknown decode attention 'paged': pick one of sdpa, products, flex"):
+    with pytest.raises(LadderError, match="unknown decode attention 'paged': pick one of sdpa, matmul, products, flex"):
         Engine(model)
     monkeypatch.setenv(DECODE_ATTENTION, "flex")
     with pytest.raises(LadderError, match="flex compiles on a CPU with --compile-layers, not --compile"):

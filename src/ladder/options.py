@@ -42,9 +42,10 @@ VARIABLES = (
              "1: a compiled CPU step takes the weights as constants of its graph, packed into inductor's C++ GEMM "
              "templates (faster on AVX2; the cache entry holds the packed weights); 0: inductor's default GEMMs, "
              "weights as inputs. Either way a later start reads the whole compiled step from the cache."),
-    Variable(DECODE_ATTENTION, "products for a compiled step on a CPU, else sdpa",
-             "A decode step's attention: sdpa (ATen), products (one loop nest, for compiled CPU steps) or flex "
-             "(FlexAttention, compiled only)."),
+    Variable(DECODE_ATTENTION, "products for a compiled step on a CPU, matmul for an eager bf16 one with bf16 "
+             "arithmetic, else sdpa",
+             "A decode step's attention: sdpa (ATen), matmul (two batched products, for eager half-precision CPU "
+             "steps), products (one loop nest, for compiled CPU steps) or flex (FlexAttention, compiled only)."),
     Variable(INDUCTOR_OPTIONS, "none",
              "A JSON object of inductor options that every compiled decode step adds to its own, e.g. "
              "'{\"coordinate_descent_tuning\": true}'."),
@@ -62,7 +63,7 @@ NAMES = frozenset(v.name for v in VARIABLES)
 MEASURED = (CPU_DTYPE, CPU_GEMM_TEMPLATES, DECODE_ATTENTION, INDUCTOR_OPTIONS)
 """The variables that change what a step computes or how: a benchmark record keeps those that are set."""
 
-DECODE_ATTENTION_KERNELS = ("sdpa", "products", "flex")
+DECODE_ATTENTION_KERNELS = ("sdpa", "matmul", "products", "flex")
 
 
 def environment_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -142,8 +143,9 @@ class RuntimeOptions:
     """How an engine runs a model, chosen once when the engine is built (`ladder.runtime.engine.Engine`).
 
     `decode_attention` None is the step's default: "products" for a compiled step on a CPU (30 attentions of
-    SmolLM2's shape in one graph: 1.9 ms against ATen's 5.7 at 256 positions; docs/compile.md), else
-    "sdpa". The eager and compiled steps attend alike when it is given."""
+    SmolLM2's shape in one graph: 1.9 ms against ATen's 5.7 at 256 positions; docs/compile.md), "matmul"
+    for an eager one in half precision on a CPU with bf16 arithmetic (ATen's bf16 kernel is slow for one
+    query: `ladder.model.attention.matmul_decode_attention`), else "sdpa". The eager and compiled steps attend alike when it is given."""
 
     step: DecodeStep = DecodeStep.EAGER
     decode_attention: str | None = None
@@ -164,15 +166,18 @@ class RuntimeOptions:
                    cpu_gemm_templates=_flag(CPU_GEMM_TEMPLATES, environ),
                    inductor_options=parse_inductor_options(environment_value(INDUCTOR_OPTIONS, environ)))
 
-    def decode_attention_on(self, device_type: str) -> str:
-        """The decode attention that runs on this kind of device (see the class's docstring)."""
+    def decode_attention_on(self, device_type: str, native_half: bool = False) -> str:
+        """The decode attention that runs on this kind of device (see the class's docstring); `native_half`:
+        the step computes in half precision on a CPU with that arithmetic."""
         if self.decode_attention is not None:
             if self.decode_attention == "flex" and self.step.compiles_step and device_type == "cpu":
                 raise LadderError(f"{DECODE_ATTENTION}=flex compiles on a CPU with --compile-layers, not --compile "
                                   "(inductor's CPU FlexAttention takes its mask only from the graph's inputs)")
             return self.decode_attention
         compiles = self.step.compiles_step or self.step.compiles_layers
-        return "products" if compiles and device_type == "cpu" else "sdpa"
+        if device_type != "cpu":
+            return "sdpa"
+        return "products" if compiles else "matmul" if native_half else "sdpa"
 
 
 def _flag(name: str, environ: Mapping[str, str] | None) -> bool | None:

@@ -1,6 +1,7 @@
 """Attention's parts: rotary embeddings, the cache mask, and the kernels: ATen's scaled dot-product attention,
-and for a decode step (one query a row over the KV cache) products and sums that inductor compiles, or
-FlexAttention (`ladder.options.DECODE_ATTENTION_KERNELS`)."""
+and for a decode step (one query a row over the KV cache) two batched matrix products (an eager step in
+half precision), products and sums that inductor compiles, or FlexAttention
+(`ladder.options.DECODE_ATTENTION_KERNELS`)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if q.shape[2] == 1 and mask is not None:
         if decode_kernel == "products" and products_attend(k.shape[2], compute_dtype):
             return decode_attention(q, k, v, mask).to(dtype)
+        if decode_kernel == "matmul" and compute_dtype is None:
+            return matmul_decode_attention(q, k, v, mask)
         if decode_kernel == "flex":
             return flex_decode_attention(q, k, v, mask)
     if compute_dtype is not None:
@@ -96,6 +99,21 @@ def flex_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
                            kv_idx: torch.Tensor) -> torch.Tensor:
         return torch.where(visible[b, kv_idx], score, -float("inf"))
     return flex_attention(q, k, v, score_mod=hide_the_invisible, enable_gqa=True)
+
+
+def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one query a row, q (B, H, 1, hd), over the cache k, v (B, n_kv, S, hd), as two batched
+    matrix products in the cache's dtype (oneDNN's bf16 kernels on a CPU with bf16 arithmetic) and a float32
+    softmax; the query heads of a KV head are the rows of one product (grouped-query attention). ATen's CPU
+    flash kernel in bf16 is slow for one query: SmolLM2's shape at batch 8 took 0.72 ms against 0.29 at 128
+    cached positions, 2.9 against 0.40 at 512, on a 2-core AVX-512 BF16 EPYC
+    (experiments/investigations/decode_attention.py --eager)."""
+    B, H, _, hd = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    # k times q's transpose, not q times k's: the cache's rows are a strided slice, which bmm copies when transposed
+    scores = torch.matmul(k, q.view(B, n_kv, H // n_kv, hd).transpose(-1, -2)).transpose(-1, -2).float() * hd ** -0.5
+    weights = scores.masked_fill(~mask.view(B, 1, 1, S), float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(weights, v).view(B, H, 1, hd)  # (B, n_kv, H / n_kv, hd) as heads
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -104,8 +104,9 @@ class Engine:
         compute_dtype = torch.float32 if upcast else None
         self.model = model.view().eval()  # the prefill's, and an eager step's
         linear_forms(self.model, pack=on_cpu and step is DecodeStep.EAGER, int8_rows=on_cpu, upcast=upcast)
+        native_half = model.tok_embeddings.weight.dtype in HALF_PRECISION and not upcast
         self.model.attend_with("sdpa" if step.compiles_step or step.compiles_layers else options.decode_attention_on(
-            self.device.type), compute_dtype)
+            self.device.type, native_half), compute_dtype)
         self._step_model = self.model
         if step.compiles_step or step.compiles_layers:
             self._step_model = model.view().eval()  # plain weights (inductor lays them out itself), torchao's int8
