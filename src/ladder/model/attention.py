@@ -105,9 +105,10 @@ def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     """Attention of one query a row, q (B, H, 1, hd), over the cache k, v (B, n_kv, S, hd), as two batched
     matrix products in the cache's dtype (oneDNN's bf16 kernels on a CPU with bf16 arithmetic) and a float32
     softmax; the query heads of a KV head are the rows of one product (grouped-query attention). ATen's CPU
-    flash kernel in bf16 is slow for one query: SmolLM2's shape at batch 8 took 0.72 ms against 0.29 at 128
-    cached positions, 2.9 against 0.40 at 512, on a 2-core AVX-512 BF16 EPYC
-    (experiments/investigations/decode_attention.py --eager)."""
+    flash kernel in bf16 is slow for one query: SmolLM2's eager bf16 step at batch 8 took 75 ms with it
+    against 42 at 128 positions, 152 against 77 at 512, 367 against 97 at 2048 (upcast to float32: 53, 68,
+    469); at batch 1, about the same up to 512 positions, 130 against 52 at 2048; 2-core AVX-512 BF16 EPYC,
+    experiments/investigations/eager_decode_attention.py."""
     B, H, _, hd = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     # k times q's transpose, not q times k's: the cache's rows are a strided slice, which bmm copies when transposed
