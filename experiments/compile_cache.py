@@ -43,6 +43,8 @@ CASES = {  # name: (ladder arguments, extra environment)
     "generate --dtype bfloat16 --compile": (GENERATE + ["--dtype", "bfloat16", "--compile"], {}),
     "generate --dtype bfloat16 --compile, GEMM templates": (GENERATE + ["--dtype", "bfloat16", "--compile"],
                                                             {"LADDER_CPU_GEMM_TEMPLATES": "1"}),
+    "generate --dtype bfloat16 --compile, no GEMM templates": (GENERATE + ["--dtype", "bfloat16", "--compile"],
+                                                               {"LADDER_CPU_GEMM_TEMPLATES": "0"}),
     "generate --quantize int8 --compile-layers": (GENERATE + ["--quantize", "int8", "--compile-layers"], {}),
     "serve --quantize int8 --compile-layers": (["serve", "--model", MODEL, "--quantize", "int8", "--compile-layers"],
                                                {}),

@@ -165,7 +165,7 @@ def test_out_of_vocabulary_prompt_is_an_error(engine):
 def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape_and_a_restart_loads_its_step(
         monkeypatch, tmp_path):
     """With the weights as constants of the graph and inductor's C++ GEMM templates, a compiled CPU step's
-    default on AVX2 (the other tests of compiled steps leave them out: conftest.py). The templates run (here
+    default (the other tests of compiled steps leave them out: conftest.py). The templates run (here
     the only GEMM allowed). A step is saved whole (`ladder.runtime.precompile`), under a name that digests
     every byte of the weights: the second model of the same shape must not run the first one's, and the
     first one, started again (a new process's dynamo) for a prompt of another length, loads its step and
@@ -209,11 +209,8 @@ def test_a_compiled_steps_cache_length_is_a_power_of_two_within_the_models_conte
     assert compiled_cache_length(300, 200) == 200
 
 
-@pytest.mark.parametrize("computes_in_bf16, chosen, expected", [(True, None, False), (False, None, True),
-                                                                (True, True, True), (False, False, False)])
-def test_gemm_templates_are_the_default_only_on_a_cpu_without_bf16_arithmetic(monkeypatch, computes_in_bf16, chosen,
-                                                                              expected):
-    monkeypatch.setattr(compile_module, "cpu_computes_in_bf16", lambda: computes_in_bf16)
+@pytest.mark.parametrize("chosen, expected", [(None, True), (True, True), (False, False)])
+def test_gemm_templates_are_a_compiled_cpu_steps_default(chosen, expected):
     assert uses_gemm_templates(RuntimeOptions(cpu_gemm_templates=chosen), CPU) is expected
     assert not uses_gemm_templates(RuntimeOptions(cpu_gemm_templates=True), torch.device("cuda"))
 
@@ -221,7 +218,6 @@ def test_gemm_templates_are_the_default_only_on_a_cpu_without_bf16_arithmetic(mo
 @pytest.mark.parametrize("chosen, expected", [(None, False), ("1", True), ("0", False)])
 def test_a_server_packs_the_weights_into_gemm_templates_only_when_asked(monkeypatch, chosen, expected):
     """Each of a server's step shapes would pack a copy of the weights of its own (`serving_options`)."""
-    monkeypatch.setattr(compile_module, "cpu_computes_in_bf16", lambda: False)  # where generate's default is on
     monkeypatch.delenv(CPU_GEMM_TEMPLATES, raising=False)
     if chosen is not None:
         monkeypatch.setenv(CPU_GEMM_TEMPLATES, chosen)

@@ -38,9 +38,10 @@ LAUNCHED_WORKER = "LADDER_LAUNCHED_WORKER"
 VARIABLES = (
     Variable(CPU_DTYPE, "bfloat16 on a CPU with bf16 arithmetic (AVX-512 BF16, AMX), else float32",
              "The dtype on a CPU when `--dtype` is not given: float32, bfloat16 or float16."),
-    Variable(CPU_GEMM_TEMPLATES, "1 for `ladder generate` on a CPU without bf16 arithmetic (AVX2), else 0",
+    Variable(CPU_GEMM_TEMPLATES, "1 for `ladder generate`, 0 for `ladder serve`",
              "1: a compiled CPU step takes the weights as constants of its graph, packed into inductor's C++ GEMM "
-             "templates (faster on AVX2; the cache entry holds the packed weights); 0: inductor's default GEMMs, "
+             "templates (2-3x faster decoding; a longer first compile; the cache entry holds the packed weights: "
+             "136 MiB for SmolLM2 int8); 0: inductor's default GEMMs, "
              "weights as inputs. Either way a later start reads the whole compiled step from the cache."),
     Variable(DECODE_ATTENTION, "products for a compiled step on a CPU, matmul for an eager bf16 one with bf16 "
              "arithmetic, else sdpa",

@@ -19,7 +19,6 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ladder.comm.emulated import EmulatedCommunicator, trace_emulated_launches
 from ladder.cpu.inductor_fix import keep_mutation_renames
-from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.transformer import MASK_CACHE_DIM, Block, KVCache, Transformer
 from ladder.options import RuntimeOptions, cache_root
 from ladder.runtime.precompile import BoundGraphs, SavedGraphs, SavedSteps, aot_guard_filter, graph_key
@@ -32,8 +31,11 @@ INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 # torch's `_weight_int8pack_mm` kernel, fp32 twice as fast as oneDNN's GEMV. inductor's own way there,
 # freezing, keeps a graph out of AOTAutograd's cache, so a later start traced and froze again for 46-52 s;
 # `_weights_as_constants` makes the constants itself and the whole step comes back from torch's caches.
-# On a CPU with bf16 arithmetic the templates are not measured, so they are on by default only where bf16
-# arithmetic is missing (`uses_gemm_templates`).
+# On a 2-core AVX-512 BF16 EPYC (results/compile_cache/avx512-bf16.md) the templates decoded int8 at 111
+# tokens/s against 48, bf16 at 67 against 24, for a longer first compile (124 s against 69, int8) and a
+# cache entry that holds the packed weights (136 MiB int8, 521 bf16); a second start printed its first
+# token in 9.0 s (int8; 17.3 bf16). So they are on for a compiled CPU step on every CPU kind
+# (`uses_gemm_templates`), except a server's (`ladder.serve.worker.serving_options`).
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -157,11 +159,10 @@ def comm_key(comm: Any) -> str:
 
 def uses_gemm_templates(options: RuntimeOptions, device: torch.device) -> bool:
     """Whether a compiled step takes its weights as constants, packed into inductor's C++ GEMM templates: on
-    a CPU, where the user says so (`LADDER_CPU_GEMM_TEMPLATES`), else where the CPU has no bf16 arithmetic
-    (the comment above)."""
+    a CPU, unless the user says otherwise (`LADDER_CPU_GEMM_TEMPLATES`; the comment above)."""
     if device.type != "cpu":
         return False
-    return options.cpu_gemm_templates if options.cpu_gemm_templates is not None else not cpu_computes_in_bf16()
+    return options.cpu_gemm_templates if options.cpu_gemm_templates is not None else True
 
 
 def guards_off_the_model(guards: list[Any]) -> list[bool]:
