@@ -20,7 +20,7 @@ from ladder.cpu.linears import Int8MatmulLinear, Int8RowLinear, weight_bytes
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
 from ladder.model.transformer import Transformer
-from ladder.options import CPU_GEMM_TEMPLATES, DecodeStep
+from ladder.options import CPU_GEMM_TEMPLATES, DECODE_ATTENTION, DecodeStep
 from ladder.quant import quantize as quantize_module
 from ladder.quant.quantize import block_linears, check_quantize, is_int8_per_row, is_quantized, quantize_shard
 from ladder.runtime import engine as engine_module
@@ -179,8 +179,10 @@ def test_a_templated_steps_int8_layers_are_plain_tensors_that_give_torchaos_logi
 def test_an_eager_cpu_step_runs_int8_on_torchs_kernel_and_keeps_torchaos_int4(mode, monkeypatch):
     """bf16: int8 on torch's kernel gives torchao's logits, within bf16's rounding of sums taken in
     another order (a few bf16 ulps of logits near 1); int4 keeps torchao's kernel, the same logits. (As on
-    a CPU with bf16 arithmetic: on AVX2 the engine would also run attention in float32.)"""
+    a CPU with bf16 arithmetic: on AVX2 the engine would also run attention in float32; and attending through
+    ATen's kernel, as the model does, not the eager step's default there: test_config checks that one.)"""
     monkeypatch.setattr(engine_module, "cpu_computes_in_bf16", lambda: True)
+    monkeypatch.setenv(DECODE_ATTENTION, "sdpa")
     def bf16_model() -> Transformer:
         model = make_model(tiny(**QUANTIZABLE)).to(torch.bfloat16)
         quantize_shard(model, mode)
