@@ -11,7 +11,6 @@ from ladder.errors import LadderError
 from ladder.model.weights import random_model
 from ladder.options import CPU_GEMM_TEMPLATES, DECODE_ATTENTION, INDUCTOR_OPTIONS, DecodeStep, RuntimeOptions
 from ladder.quant.quantize import quantize_shard
-from ladder.runtime import compile as compile_module
 from ladder.runtime.compile import INDUCTOR_CACHE_DIR, uses_gemm_templates, weights_digest
 from ladder.runtime.engine import Engine, compiled_cache_length, decode_forward
 from ladder.runtime.precompile import load_step

@@ -52,7 +52,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Scaled dot-product attention (causal without a mask). One query a row with a mask (a decode step)
     attends through `decode_kernel` (`ladder.options.DECODE_ATTENTION_KERNELS`; "products" up to
     DECODE_ATTENTION_MAX_POSITIONS cached positions, ATen's beyond, where the two cost the same, unless
-    ATen's would upcast: see `products_attend`); every other attention through ATen's
+    ATen's would upcast: see `products_attend`; "matmul" in the cache's dtype, so ATen's where
+    `compute_dtype` upcasts); every other attention through ATen's
     `scaled_dot_product_attention`, in `compute_dtype` when one is given (an engine gives float32 for half
     precision on a CPU without bf16 arithmetic: AVX2 emulates bf16, and SmolLM2's decode attention ran 2.5x
     slower in it than upcast; the KV cache stays in the model's dtype)."""

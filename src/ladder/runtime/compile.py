@@ -162,7 +162,7 @@ def uses_gemm_templates(options: RuntimeOptions, device: torch.device) -> bool:
     a CPU, unless the user says otherwise (`LADDER_CPU_GEMM_TEMPLATES`; the comment above)."""
     if device.type != "cpu":
         return False
-    return options.cpu_gemm_templates if options.cpu_gemm_templates is not None else True
+    return options.cpu_gemm_templates is not False  # None: the default
 
 
 def guards_off_the_model(guards: list[Any]) -> list[bool]:
