@@ -273,6 +273,18 @@ def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
     assert ours.decode(ours.encode("déjà vu 🙂")) == "déjà vu 🙂"
 
 
+def test_the_byte_tokenizer_encodes_as_its_tokenizers_model_does_and_decodes_back():
+    """`TextTokenizer.bytes` encodes without its `tokenizers` model (UTF-8 bytes are the ids): the same ids."""
+    from ladder.checkpoint.tokenizer import TextTokenizer
+    from ladder.corpora import python_docs_text
+
+    ours = TextTokenizer.bytes()
+    for text in [*TRICKY, *PROMPTS, "déjà vu 🙂 \x00\x7f\r\n\t 漢字", python_docs_text()[:20_000]]:
+        ids = ours.encode(text)
+        assert ids == ours.tokenizer.encode(text, add_special_tokens=False).ids, text[:80]
+        assert ours.decode(ids) == text
+
+
 @pytest.mark.parametrize("tensor_type,atol", [("F32", 1e-5), ("F16", 2e-3)])
 def test_gguf_written_here_matches_the_hf_model(tiny_hf, tmp_path, tensor_type, atol):
     hf_model, _, _ = tiny_hf

@@ -21,7 +21,7 @@ from ladder.model.config import PRESETS, ModelConfig, default_dtype, get_preset
 from ladder.options import CPU_DTYPE
 from ladder.train.settings import TrainConfig, load_train_config
 
-from helpers import (descendants, has_loaded_torch, ladder_in_process, ladder_lines, stop_when_ready, torchrun_ladder,
+from helpers import (descendants, has_loaded_torch, ladder_in_process, ladder_lines, stop_when_ready,
                      torchrun_on_two_nodes)
 
 LADDER = [sys.executable, "-m", "ladder"]
@@ -47,13 +47,6 @@ def at_tp1_and_tp2(capsys, layout: str, new_tokens: int) -> tuple[Completed, Com
     one, two = ladder_in_process(capsys, *args, "--tp", "1"), run(*args, "--tp", "2")
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     return one, two
-
-
-def test_generate_tp2_equals_tp1_and_says_weights_are_random(capsys):
-    one, two = at_tp1_and_tp2(capsys, "ladder", 16)
-    assert "RANDOM" in one.stderr
-    assert generated(one.stdout) == generated(two.stdout)
-    assert len(generated(one.stdout).split(":")[1].split()) == 16
 
 
 def test_generate_runs_in_the_dtype_this_cpu_picks(capsys, monkeypatch):
@@ -258,25 +251,19 @@ def test_compiled_decode_at_tp2_equals_eager():
     assert "compiling the compiled decode step" in compiled.stderr and "ladder: compiled in " in compiled.stderr
 
 
-# What the torchrun tests run at TP 2, and compare with the same command at TP 1 in this process.
+# What the two-node test runs at TP 2, and compares with the same command at TP 1 in this process.
 TINY_LADDER = ["generate", "--preset", "tiny", "--layout", "ladder", "--prompt-ids", "1,2,3", "--max-new-tokens", "8"]
-
-
-def test_runs_under_torchrun_with_global_ranks(capsys):
-    out = torchrun_ladder(*TINY_LADDER, "--tp", "2", timeout=180)
-    assert out.returncode == 0, out.stderr[-6000:]  # (torchrun's own summary alone takes the last 2000)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("generated")]
-    assert len(lines) == 1  # printed by global rank 0 only
-    assert lines[0] == generated(ladder_in_process(capsys, *TINY_LADDER).stdout)
 
 
 def test_runs_on_two_nodes_under_torchrun(capsys):
     """Every rank is LOCAL_RANK 0: anything keyed on the local rank instead of the global one (sharding,
-    who prints) shows here."""
+    who prints) shows here. (One node, `torchrun --standalone`: test_evaluate.py's and test_bench.py's.)"""
     (status0, out0, err0), (status1, out1, err1) = torchrun_on_two_nodes([[*TINY_LADDER, "--tp", "2"]] * 2)
     assert (status0, status1) == (0, 0), err0[-3000:] + err1[-3000:]
     assert out1 == ""  # only global rank 0 prints
-    assert generated(out0) == generated(ladder_in_process(capsys, *TINY_LADDER).stdout)
+    one = ladder_in_process(capsys, *TINY_LADDER)
+    assert generated(out0) == generated(one.stdout)
+    assert "RANDOM" in one.stderr and len(generated(one.stdout).split(":")[1].split()) == 8
 
 
 def test_two_nodes_given_different_prompts_stop_with_one_line_each():
