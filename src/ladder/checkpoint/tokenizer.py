@@ -50,12 +50,12 @@ class TextTokenizer:
     """A `tokenizers.Tokenizer` plus what generation needs: BOS/EOS, and the chat template."""
 
     def __init__(self, tokenizer: Any, bos_token: str | None, eos_token: str | None, add_bos: bool,
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, is_bytes: bool = False) -> None:
         self.tokenizer = tokenizer
         self.bos_token, self.eos_token = bos_token, eos_token
         self.add_bos = add_bos
         self.chat_template = chat_template
-        self.is_bytes = False  # token id = UTF-8 byte value (`bytes`): encoded without the tokenizer
+        self.is_bytes = is_bytes  # token id = UTF-8 byte value (`bytes`): encoded without the tokenizer
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -107,9 +107,7 @@ class TextTokenizer:
         tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
-        made = cls(tok, None, None, False, None)
-        made.is_bytes = True
-        return made
+        return cls(tok, None, None, False, None, is_bytes=True)
 
     @classmethod
     def from_hf_folder(cls, folder: Path) -> TextTokenizer:
