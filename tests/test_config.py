@@ -130,18 +130,19 @@ def test_the_matmul_decode_attention_reads_each_rows_own_positions_of_a_strided_
     torch.testing.assert_close(got[0].float(), v[0, :, :1].float().repeat_interleave(3, 0), atol=1e-2, rtol=0)
 
 
-@pytest.mark.parametrize("computes_in_bf16", [True, False])
-def test_an_engine_upcasts_half_precision_only_on_a_cpu_without_bf16_arithmetic(monkeypatch, computes_in_bf16):
+@pytest.mark.parametrize("computes_in_bf16, amx", [(True, False), (True, True), (False, False)])
+def test_an_engine_upcasts_half_precision_only_on_a_cpu_without_bf16_arithmetic(monkeypatch, computes_in_bf16, amx):
     """The engine decides it once, for its own view: attention and plain linear layers in float32 on such a
     CPU (`UpcastLinear`, where the layer is not packed), as they are elsewhere; the model it was given
-    stays as it was."""
+    stays as it was. An eager bf16 step attends through ATen's kernel only where AMX makes it fast."""
     monkeypatch.setattr(engine_module, "cpu_computes_in_bf16", lambda: computes_in_bf16)
+    monkeypatch.setattr(engine_module, "cpu_has_amx", lambda: amx)
     monkeypatch.setattr(linears, "packing_works", lambda dtype: False)
     model = make_model(tiny(layout="ladder")).to(torch.bfloat16)
     engine = Engine(model)
     attention = engine.model.layers[0].attention
     assert attention.compute_dtype == (None if computes_in_bf16 else torch.float32)
-    assert attention.decode_kernel == ("matmul" if computes_in_bf16 else "sdpa")
+    assert attention.decode_kernel == ("matmul" if computes_in_bf16 and not amx else "sdpa")
     assert isinstance(attention.wqkv, nn.Linear if computes_in_bf16 else linears.UpcastLinear)
     assert isinstance(model.layers[0].attention.wqkv, nn.Linear) and model.layers[0].attention.compute_dtype is None
     shared = attention.wqkv if computes_in_bf16 else attention.wqkv.layer

@@ -7,6 +7,7 @@ import torch
 
 from helpers import CPU, make_model, tiny
 from ladder.comm.base import LocalCommunicator
+from ladder.cpu.linears import HandleLinear
 from ladder.errors import LadderError
 from ladder.model.weights import random_model
 from ladder.options import CPU_GEMM_TEMPLATES, DECODE_ATTENTION, INDUCTOR_OPTIONS, DecodeStep, RuntimeOptions
@@ -357,6 +358,35 @@ def test_inductor_options_reach_every_compiled_step_and_bad_ones_are_refused(mon
         monkeypatch.setenv(INDUCTOR_OPTIONS, text)
         with pytest.raises(LadderError, match=re.escape(message)):
             Engine(make_model(tiny(layout="ladder")), DecodeStep.COMPILED_LAYERS)
+
+
+def test_a_compiled_cpu_step_reads_the_packed_weights_by_handle_and_its_saved_graph_serves_other_weights():
+    """Without GEMM templates (a server's step), a compiled CPU step's linears read the eager view's packed
+    weights (one copy) by handle, and its parameters, its own, do not require grad. Its graph holds no
+    weight: a model that differs only in its linear weights loads the first one's saved step (nothing
+    compiles) and decodes its own tokens. (The tests' cache: the next test's compiled step loads this one.)"""
+    from torch._dynamo.utils import counters
+
+    config = tiny(layout="ladder", n_layers=2, ladder_layers=1)
+    first, second = (random_model(config, LocalCommunicator(), CPU, torch.float32, 0) for _ in range(2))
+    with torch.no_grad():
+        for layer in second.layers:
+            layer.feed_forward.w2.weight.neg_()
+    tokens = []
+    for start, model in enumerate((first, second)):
+        tokens.append(Engine(model).generate(PROMPT, 6).tokens)
+        torch._dynamo.reset()  # what a new process starts with
+        counters.clear()
+        compiled = Engine(model, DecodeStep.COMPILED)
+        assert compiled.generate(PROMPT, 6).tokens == tokens[-1]
+    assert counters["aot_autograd"]["total"] == 0, dict(counters["aot_autograd"])
+    assert tokens[0] != tokens[1]
+    for eager_layer, step_layer in zip(compiled.model.layers, compiled._step_model.layers):
+        for name in ("wqkv", "wo"):
+            eager_linear, step_linear = getattr(eager_layer.attention, name), getattr(step_layer.attention, name)
+            assert isinstance(step_linear, HandleLinear) and step_linear.packed is eager_linear.packed
+    assert not any(p.requires_grad for p in compiled._step_model.parameters())
+    assert all(p.requires_grad for p in second.parameters())
 
 
 @pytest.mark.parametrize("step", [DecodeStep.EAGER, DecodeStep.COMPILED_LAYERS, DecodeStep.COMPILED])

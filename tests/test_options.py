@@ -51,6 +51,6 @@ def test_options_come_from_the_environment_once_and_bad_values_are_one_line_erro
 def test_the_default_decode_attention_depends_on_the_step_and_device(step, device, expected):
     assert RuntimeOptions(step).decode_attention_on(device) == expected
     assert RuntimeOptions(step, "sdpa").decode_attention_on(device) == "sdpa"  # given: the same everywhere
-    # An eager step in half precision on a CPU with that arithmetic: two batched products, not ATen's kernel
-    native_half = "matmul" if (step, device) == (DecodeStep.EAGER, "cpu") else expected
-    assert RuntimeOptions(step).decode_attention_on(device, native_half=True) == native_half
+    # An eager step in half precision where ATen's kernel is slow in it (no AMX): two batched products
+    slow_half = "matmul" if (step, device) == (DecodeStep.EAGER, "cpu") else expected
+    assert RuntimeOptions(step).decode_attention_on(device, slow_half_attention=True) == slow_half

@@ -145,8 +145,8 @@ class RuntimeOptions:
 
     `decode_attention` None is the step's default: "products" for a compiled step on a CPU (30 attentions of
     SmolLM2's shape in one graph: 1.9 ms against ATen's 5.7 at 256 positions; docs/compile.md), "matmul"
-    for an eager one in half precision on a CPU with bf16 arithmetic (ATen's bf16 kernel is slow for one
-    query: `ladder.model.attention.matmul_decode_attention`), else "sdpa". The eager and compiled steps attend alike when it is given."""
+    for an eager one in half precision on a CPU with bf16 arithmetic but no AMX tiles (ATen's bf16 kernel is
+    slow there for one query: `ladder.model.attention.matmul_decode_attention`), else "sdpa". The eager and compiled steps attend alike when it is given."""
 
     step: DecodeStep = DecodeStep.EAGER
     decode_attention: str | None = None
@@ -167,9 +167,10 @@ class RuntimeOptions:
                    cpu_gemm_templates=_flag(CPU_GEMM_TEMPLATES, environ),
                    inductor_options=parse_inductor_options(environment_value(INDUCTOR_OPTIONS, environ)))
 
-    def decode_attention_on(self, device_type: str, native_half: bool = False) -> str:
-        """The decode attention that runs on this kind of device (see the class's docstring); `native_half`:
-        the step computes in half precision on a CPU with that arithmetic."""
+    def decode_attention_on(self, device_type: str, slow_half_attention: bool = False) -> str:
+        """The decode attention that runs on this kind of device (see the class's docstring);
+        `slow_half_attention`: the step computes in half precision on a CPU where ATen's kernel is slow in it
+        (bf16 arithmetic without AMX tiles)."""
         if self.decode_attention is not None:
             if self.decode_attention == "flex" and self.step.compiles_step and device_type == "cpu":
                 raise LadderError(f"{DECODE_ATTENTION}=flex compiles on a CPU with --compile-layers, not --compile "
@@ -178,7 +179,7 @@ class RuntimeOptions:
         compiles = self.step.compiles_step or self.step.compiles_layers
         if device_type != "cpu":
             return "sdpa"
-        return "products" if compiles else "matmul" if native_half else "sdpa"
+        return "products" if compiles else "matmul" if slow_half_attention else "sdpa"
 
 
 def _flag(name: str, environ: Mapping[str, str] | None) -> bool | None:

@@ -21,7 +21,7 @@ from ladder.bench.spec import BenchPoint
 from ladder.bench.summary import read_bench_records
 from ladder.errors import LadderError, check_creatable
 from ladder.files import append_line
-from ladder.model.config import cpu_computes_in_bf16
+from ladder.model.config import cpu_computes_in_bf16, cpu_has_amx
 from ladder.options import MEASURED, DecodeStep, environment_value
 
 SCHEMA_VERSION = 1
@@ -52,8 +52,11 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def cpu_kind() -> str:
-    """These machines' two kinds of CPU, whose fast paths differ: with bf16 arithmetic (AVX-512 BF16 or AMX)
-    or without (AVX2). Results that depend on it keep a file per kind."""
+    """These machines' kinds of CPU, whose fast paths differ: with AMX tiles (bf16 matrix products in
+    hardware: oneDNN's and vLLM's bf16 kernels, and ATen's attention, run differently), with AVX-512 BF16
+    only, or without bf16 arithmetic (AVX2). Results that depend on it keep a file per kind."""
+    if cpu_has_amx():
+        return "amx"
     return "avx512-bf16" if cpu_computes_in_bf16() else "avx2"
 
 

@@ -7,8 +7,9 @@ reorders it once into the layout its kernels stream (vLLM's CPU backend does the
 reads every weight once and computes little, so this is most of its time: SmolLM2's linear layers at
 batch 8 took 83 ms with `F.linear` and 36 ms packed on a 2-core AVX2 EPYC (batch 1: 39 and 23 ms;
 batch 64: 199 and 136 ms; experiments/investigations/packed_linear.py). Packed weights serve inference only: no gradients, no state_dict, and
-a tied output head gets its own packed copy (the embedding keeps the original). A compiled step needs
-plain weights (inductor lays them out itself).
+a tied output head gets its own packed copy (the embedding keeps the original). A compiled step reaches
+the same packed weights through an op of ladder's (`HandleLinear`), unless its weights are constants of
+its graph for inductor's GEMM templates.
 
 torchao's eager int8 linear casts the whole weight to the activations' dtype every call (the head's
 49152 x 576 included, a transient as large as an unquantized head); `Int8RowLinear` calls torch's int8
@@ -26,6 +27,8 @@ in float32 from UPCAST_MIN_ROWS rows.
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -46,14 +49,28 @@ DEQUANTIZE_ROWS = 4096  # output rows dequantized at a time: 9.4 MB of float32 f
 UPCAST_MIN_ROWS = 8
 
 
+Packs = dict[int, torch.Tensor]
+"""Weights packed for an engine's views, by the id of the plain weight: its eager and its compiled view
+share one packed copy."""
+
+
+def packed_weight(linear: nn.Linear, packs: Packs | None = None) -> torch.Tensor:
+    """`linear`'s weight in oneDNN's layout: the one in `packs`, or packed now (and kept there)."""
+    if packs is not None and id(linear.weight) in packs:
+        return packs[id(linear.weight)]
+    packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+    if packs is not None:
+        packs[id(linear.weight)] = packed
+    return packed
+
+
 class PackedLinear(nn.Module):
     """y = x W^T with W in oneDNN's layout (no bias: ladder's linears have none)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, packs: Packs | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("packed", packed_weight(linear, packs), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -63,6 +80,52 @@ class PackedLinear(nn.Module):
         linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
         linear.weight = nn.Parameter(self.packed.to_dense(), requires_grad=False)
         return linear
+
+
+# `ladder::packed_linear(x, handle, out_features)`: x times the packed weight `handle` names, in a compiled
+# step. inductor's own oneDNN linear takes a packed weight only as a constant of its graph (freezing), which
+# its caches then hold, a copy for each shape; found by a handle, the weight stays out of the graph: a
+# server's shapes share one packed copy, and a cache entry holds code only, never a model's weights. In
+# SmolLM2's bf16 step at batch 8 (2-core Xeon with AMX), 33-35 ms, against 62-66 eager and 250 compiled
+# on plain weights (inductor's extern bf16 GEMM reorders the weight every call).
+_PACKED: dict[int, torch.Tensor] = {}
+_handles = itertools.count()
+_library = torch.library.Library("ladder", "FRAGMENT")
+# Defined with torch.library's lower-level API: a `custom_op`'s Python wrappers cost 77 us a call, this 9.
+_library.define("packed_linear(Tensor x, Tensor handle, SymInt out_features) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[int(handle)], None, "none", [], "")
+
+
+_library.impl("packed_linear", _packed_linear, "CPU")
+
+
+@torch.library.register_fake("ladder::packed_linear")
+def _packed_linear_shape(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+class HandleLinear(nn.Module):
+    """`PackedLinear` for a compiled step: its packed weight reached by a handle (a one-number buffer)
+    through `ladder::packed_linear`, so that the graph holds no weight. The weight lives while the handle
+    does (a view of the model shares it: `Transformer.view`)."""
+
+    def __init__(self, linear: nn.Linear, packs: Packs | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        handle = next(_handles)
+        _PACKED[handle] = packed_weight(linear, packs)
+        self.register_buffer("handle", torch.tensor(handle), persistent=False)
+        weakref.finalize(self.handle, _PACKED.pop, handle, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ladder.packed_linear(x, self.handle, self.out_features)
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return _PACKED[int(self.handle)]
 
 
 class UpcastLinear(nn.Module):
@@ -154,22 +217,27 @@ def packing_works(dtype: torch.dtype) -> bool:
     return True
 
 
-def linear_forms(view: Transformer, pack: bool, int8_rows: bool, upcast: bool, int8_matmul: bool = False) -> bool:
+def linear_forms(view: Transformer, pack: bool, int8_rows: bool, upcast: bool, int8_matmul: bool = False,
+                 by_handle: bool = False, packs: Packs | None = None) -> bool:
     """Put a view's linear layers (`Transformer.view`: its layers are its own) in the forms its forwards
-    compute fastest: plain ones packed (`pack`: an eager CPU step; not where packing does not work), int8
+    compute fastest: plain ones packed (`pack`: an eager CPU forward; `by_handle`: a compiled CPU step whose
+    weights are not constants, `HandleLinear`; neither where packing does not work), int8
     ones as `Int8RowLinear` (`int8_rows`: an eager CPU forward) or `Int8MatmulLinear` (`int8_matmul`: a
     compiled step with constant weights), plain half-precision ones not packed as `UpcastLinear` (`upcast`:
-    a CPU without bf16 arithmetic). Whether the plain ones end packed."""
+    a CPU without bf16 arithmetic). Views given one `packs` share their packed weights. Whether the plain
+    ones end packed."""
     dtype = view.tok_embeddings.weight.dtype  # the activations'
-    pack = pack and packing_works(dtype)
+    works = packing_works(dtype)
     compute = torch.float32 if upcast and dtype in HALF_PRECISION else None
-    convert_linears(view, functools.partial(linear_form, pack=pack, int8_rows=int8_rows, compute_dtype=compute,
-                                            int8_matmul=dtype if int8_matmul else None))
-    return pack
+    form = functools.partial(linear_form, pack=pack and works, by_handle=by_handle and works, int8_rows=int8_rows,
+                             compute_dtype=compute, int8_matmul=dtype if int8_matmul else None, packs=packs)
+    convert_linears(view, form)
+    return (pack or by_handle) and works
 
 
 def linear_form(layer: nn.Module, pack: bool, int8_rows: bool, compute_dtype: torch.dtype | None,
-                int8_matmul: torch.dtype | None = None) -> nn.Module:
+                int8_matmul: torch.dtype | None = None, by_handle: bool = False,
+                packs: Packs | None = None) -> nn.Module:
     if int8_rows and is_int8_per_row(layer.weight):
         return Int8RowLinear(layer, compute_dtype)
     if int8_matmul is not None and is_int8_per_row(layer.weight):
@@ -177,15 +245,18 @@ def linear_form(layer: nn.Module, pack: bool, int8_rows: bool, compute_dtype: to
     if is_quantized(layer):
         return layer  # int4, and int8 in a compiled step: torchao's kernels
     if pack:
-        return PackedLinear(layer)
+        return PackedLinear(layer, packs)
+    if by_handle:
+        return HandleLinear(layer, packs)
     return UpcastLinear(layer) if compute_dtype is not None and layer.weight.dtype in HALF_PRECISION else layer
 
 
 def weight_bytes(model: Transformer) -> int:
-    """The bytes of this rank's weights, packed or not, a tied head's table counted once (as plain)."""
-    tensors = [*model.parameters(), *(m.packed for m in model.modules() if isinstance(m, PackedLinear))]
-    total = sum(tensor_bytes(t) for t in tensors)
-    if isinstance(model.output, PackedLinear) and model.config.tie_embeddings and not model.shard_vocab:
+    """The bytes of this rank's weights, packed or not, each packed copy once, a tied head's table counted
+    once (as plain)."""
+    packed = {id(m.packed): m.packed for m in model.modules() if isinstance(m, (PackedLinear, HandleLinear))}
+    total = sum(tensor_bytes(t) for t in [*model.parameters(), *packed.values()])
+    if isinstance(model.output, (PackedLinear, HandleLinear)) and model.config.tie_embeddings and not model.shard_vocab:
         total -= model.output.packed.numel() * model.output.packed.element_size()  # the table's packed copy
     return total
 

@@ -109,7 +109,9 @@ def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     flash kernel in bf16 is slow for one query: SmolLM2's eager bf16 step at batch 8 took 75 ms with it
     against 42 at 128 positions, 152 against 77 at 512, 367 against 97 at 2048 (upcast to float32: 53, 68,
     469); at batch 1, about the same up to 512 positions, 130 against 52 at 2048; 2-core AVX-512 BF16 EPYC,
-    experiments/investigations/eager_decode_attention.py."""
+    experiments/investigations/eager_decode_attention.py. With AMX tiles ATen's kernel is the faster: batch
+    8, 44 ms against 48 at 128 positions, 50 against 56 at 512, 66 against 96 at 2048; batch 1, 35-42 against
+    40-47 (2-core Xeon), so an engine attends through it there."""
     B, H, _, hd = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     # k times q's transpose, not q times k's: the cache's rows are a strided slice, which bmm copies when transposed

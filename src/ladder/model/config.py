@@ -56,6 +56,12 @@ def cpu_computes_in_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (bf16 matrix products in hardware)."""
+    return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3.1 frequency-dependent RoPE scaling (`rope_type: llama3` in Hugging Face configs)."""

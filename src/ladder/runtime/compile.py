@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ladder.comm.emulated import EmulatedCommunicator, trace_emulated_launches
 from ladder.cpu.inductor_fix import keep_mutation_renames
+from ladder.cpu.linears import HandleLinear
 from ladder.model.transformer import MASK_CACHE_DIM, Block, KVCache, Transformer
 from ladder.options import RuntimeOptions, cache_root
 from ladder.runtime.precompile import BoundGraphs, SavedGraphs, SavedSteps, aot_guard_filter, graph_key
@@ -248,9 +249,10 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def _named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """A model's parameters and buffers, but its KV caches, by name (read here: `_digest` may run on another
-    thread while this one changes the model's buffers)."""
-    caches = {id(b) for m in model.modules() if isinstance(m, KVCache) for b in m.buffers()}
+    """A model's parameters and buffers, but its KV caches and the handles of packed weights (numbers of this
+    process; the graph reads the weights they name as it runs), by name (read here: `_digest` may run on
+    another thread while this one changes the model's buffers)."""
+    caches = {id(b) for m in model.modules() if isinstance(m, (KVCache, HandleLinear)) for b in m.buffers()}
     return [(name, tensor) for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
             if id(tensor) not in caches]
 

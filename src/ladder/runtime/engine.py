@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ladder.cpu.linears import linear_forms
+from ladder.cpu.linears import Packs, linear_forms
 from ladder.errors import LadderError
-from ladder.model.config import cpu_computes_in_bf16
+from ladder.model.config import cpu_computes_in_bf16, cpu_has_amx
 from ladder.model.transformer import HALF_PRECISION, Transformer
 from ladder.options import DecodeStep, RuntimeOptions
 from ladder.runtime.compile import (compile_layers, compile_step, saved_layer_steps, saves_layer_steps, use_compile_cache,
@@ -103,20 +103,27 @@ class Engine:
         upcast = on_cpu and model.tok_embeddings.weight.dtype in HALF_PRECISION and not cpu_computes_in_bf16()
         compute_dtype = torch.float32 if upcast else None
         self.model = model.view().eval()  # the prefill's, and an eager step's
-        linear_forms(self.model, pack=on_cpu and step is DecodeStep.EAGER, int8_rows=on_cpu, upcast=upcast)
-        native_half = model.tok_embeddings.weight.dtype in HALF_PRECISION and not upcast
+        # A compiled CPU step whose weights are not constants of its graph reads the eager view's packed ones
+        by_handle = on_cpu and (step.compiles_layers or step.compiles_step and not uses_gemm_templates(options, self.device))
+        packs: Packs = {}
+        linear_forms(self.model, pack=on_cpu and (step is DecodeStep.EAGER or by_handle), int8_rows=on_cpu, upcast=upcast,
+                     packs=packs)
+        # ATen's bf16 attention of one query is slow on AVX-512 BF16 and fast with AMX (`matmul_decode_attention`)
+        slow_half = model.tok_embeddings.weight.dtype in HALF_PRECISION and not upcast and not cpu_has_amx()
         self.model.attend_with("sdpa" if step.compiles_step or step.compiles_layers else options.decode_attention_on(
-            self.device.type, native_half), compute_dtype)
+            self.device.type, slow_half), compute_dtype)
         self._step_model = self.model
         if step.compiles_step or step.compiles_layers:
-            self._step_model = model.view().eval()  # plain weights (inductor lays them out itself), torchao's int8
+            self._step_model = model.view().eval()  # the eager view's packed weights, or plain ones, torchao's int8
             # torchao's int8 layers as plain int8 rows and scales where the step's weights are constants of its
             # graph (GEMM templates), and in compiled layers that are saved: torch cannot save the guards of a
             # tensor subclass (its guards go through `empty_like` on meta, which torchao's does not implement)
             saved_layers = step.compiles_layers and saves_layer_steps(self._step_model, self.device, options)
             linear_forms(self._step_model, pack=False, int8_rows=False, upcast=upcast,
-                         int8_matmul=step.compiles_step and uses_gemm_templates(options, self.device) or saved_layers)
+                         int8_matmul=step.compiles_step and uses_gemm_templates(options, self.device) or saved_layers,
+                         by_handle=by_handle, packs=packs)
             self._step_model.attend_with(options.decode_attention_on(self.device.type), compute_dtype)
+            freeze_parameters(self._step_model)
         self._forward: Callable[..., torch.Tensor] = functools.partial(decode_forward, self._step_model,
                                                                        rows_as_slice=step.compiles_layers)
         if step.compiles_step or step.compiles_layers:
@@ -269,6 +276,17 @@ class Engine:
         check_context(T, max_new_tokens, max_seq, "the KV cache of {limit} tokens")
         self.reserve(B, max_seq)
         return Generation(self, prompt.to(self.device), max_new_tokens, sampling, stop_ids, on_token, clock)
+
+
+def freeze_parameters(view: Transformer) -> None:
+    """Give a view parameters of its own that share the model's storage but do not require grad: a compiled
+    step that takes weights requiring grad as inputs ran AOTAutograd's training graph even in inference mode
+    (a copy of each layer's KV cache a step; SmolLM2's bf16 step at batch 8 took 68 ms, frozen 33)."""
+    frozen: dict[int, torch.nn.Parameter] = {}
+    for module in view.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.requires_grad:
+                module._parameters[name] = frozen.setdefault(id(p), torch.nn.Parameter(p.detach(), requires_grad=False))
 
 
 def decode_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
