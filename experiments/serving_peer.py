@@ -22,7 +22,7 @@ runs) and transformers' `generate` on the same folder, 64 prompt and 128 new tok
     .venv/bin/python experiments/serving_peer.py --dtypes float32 --ladder-variant "--max-prefill-while-decoding 0"
     .venv/bin/python experiments/serving_peer.py --batch-one-only --rounds 5   # batch-1 decoding only, in turns
 
-One table per CPU kind (`ladder.bench.records.cpu_kind`: AVX-512 BF16 or AVX2; the two rank the servers
+One table per CPU kind (`ladder.bench.records.cpu_kind`: AMX, AVX-512 BF16 or AVX2; they rank the servers
 and dtypes differently): results/serve/peer/<kind>.jsonl (every run; a run replaces only the rows of
 the dtypes and loads it measures) and results/serve/peer/<kind>.md (the table, with the CPU's flags);
 with --batch-one-only, results/serve/batch-one-decoding.{jsonl,md}. `--ladder-variant FLAGS` (repeatable)
