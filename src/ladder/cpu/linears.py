@@ -218,21 +218,19 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 
 def linear_forms(view: Transformer, pack: bool, int8_rows: bool, upcast: bool, int8_matmul: bool = False,
-                 by_handle: bool = False, packs: Packs | None = None) -> bool:
+                 by_handle: bool = False, packs: Packs | None = None) -> None:
     """Put a view's linear layers (`Transformer.view`: its layers are its own) in the forms its forwards
     compute fastest: plain ones packed (`pack`: an eager CPU forward; `by_handle`: a compiled CPU step whose
     weights are not constants, `HandleLinear`; neither where packing does not work), int8
     ones as `Int8RowLinear` (`int8_rows`: an eager CPU forward) or `Int8MatmulLinear` (`int8_matmul`: a
     compiled step with constant weights), plain half-precision ones not packed as `UpcastLinear` (`upcast`:
-    a CPU without bf16 arithmetic). Views given one `packs` share their packed weights. Whether the plain
-    ones end packed."""
+    a CPU without bf16 arithmetic). Views given one `packs` share their packed weights."""
     dtype = view.tok_embeddings.weight.dtype  # the activations'
     works = packing_works(dtype)
     compute = torch.float32 if upcast and dtype in HALF_PRECISION else None
     form = functools.partial(linear_form, pack=pack and works, by_handle=by_handle and works, int8_rows=int8_rows,
                              compute_dtype=compute, int8_matmul=dtype if int8_matmul else None, packs=packs)
     convert_linears(view, form)
-    return (pack or by_handle) and works
 
 
 def linear_form(layer: nn.Module, pack: bool, int8_rows: bool, compute_dtype: torch.dtype | None,

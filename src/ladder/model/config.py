@@ -52,8 +52,7 @@ def default_dtype(device_type: str, quantize: str | None = None) -> str:
 @functools.cache
 def cpu_computes_in_bf16() -> bool:
     """Whether this CPU has bf16 arithmetic: AVX-512 BF16 or AMX tiles (PyTorch's own CPU checks)."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    return cpu_has_amx() or getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
 
 
 @functools.cache

@@ -104,7 +104,8 @@ class Engine:
         compute_dtype = torch.float32 if upcast else None
         self.model = model.view().eval()  # the prefill's, and an eager step's
         # A compiled CPU step whose weights are not constants of its graph reads the eager view's packed ones
-        by_handle = on_cpu and (step.compiles_layers or step.compiles_step and not uses_gemm_templates(options, self.device))
+        templates = step.compiles_step and uses_gemm_templates(options, self.device)
+        by_handle = on_cpu and (step.compiles_layers or step.compiles_step and not templates)
         packs: Packs = {}
         linear_forms(self.model, pack=on_cpu and (step is DecodeStep.EAGER or by_handle), int8_rows=on_cpu, upcast=upcast,
                      packs=packs)
@@ -120,7 +121,7 @@ class Engine:
             # tensor subclass (its guards go through `empty_like` on meta, which torchao's does not implement)
             saved_layers = step.compiles_layers and saves_layer_steps(self._step_model, self.device, options)
             linear_forms(self._step_model, pack=False, int8_rows=False, upcast=upcast,
-                         int8_matmul=step.compiles_step and uses_gemm_templates(options, self.device) or saved_layers,
+                         int8_matmul=templates or saved_layers,
                          by_handle=by_handle, packs=packs)
             self._step_model.attend_with(options.decode_attention_on(self.device.type), compute_dtype)
             freeze_parameters(self._step_model)
