@@ -255,6 +255,26 @@ def test_a_stop_signal_saves_every_rank_and_says_where_in_one_line(sig, status, 
     assert step >= 3 and [p.name for p in checkpoint_dirs(out_dir)] == [f"step-{step:06d}"]
 
 
+def test_a_rank_that_stopped_ignores_the_signal_its_launcher_passes_on_later(monkeypatch):
+    # The launcher forwards its own Ctrl-C, at times only once the ranks have saved and are leaving the
+    # loop: under load in CI, that one became a bare KeyboardInterrupt and the "saved step" line was lost.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = loop._StopRequest()
+        signal.raise_signal(signal.SIGINT)  # the terminal's
+        stop.restore()
+        try:
+            signal.raise_signal(signal.SIGINT)  # the launcher's, late
+        except KeyboardInterrupt:
+            pytest.fail("the launcher's late Ctrl-C reached a rank that had already saved")
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert stop.signum == signal.SIGINT
+
+
 def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
     # Before training can catch a stop, the fork server and the workers spend seconds importing torch.
     returncode, stderr = stop_when_ready(

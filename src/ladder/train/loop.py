@@ -34,6 +34,7 @@ from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
 from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint, init_distributed, is_rank0,
                                      say, shutdown_distributed)
+from ladder.comm.launch import under_torchrun
 from ladder.errors import LadderError, Stopped
 from ladder.files import append_line, write_text
 from ladder.model.config import cpu_computes_in_bf16
@@ -386,8 +387,11 @@ class _StopRequest:
         self.signum = self.signum or signum
 
     def restore(self) -> None:
+        # A launcher passes its own signal on to its workers, at times only once this rank has saved and
+        # is on its way out: Python's own handler would then replace the stop with a bare KeyboardInterrupt.
+        still_ignored = self.signum > 0 and under_torchrun()
         for s, handler in self.previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if still_ignored else handler)
 
     def raise_stop(self, said: str) -> None:
         if self.signum in (0, signal.SIGINT):
