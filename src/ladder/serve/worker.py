@@ -133,6 +133,9 @@ def _kv_cache_plan(settings: ServeSettings, ctx: DistContext | None, device: tor
     return decision
 
 
+PROGRESS_EVERY_S = 5.0  # between two of the warm-up's progress lines
+
+
 def _warm_up(engine: Engine) -> None:
     """Compile or capture every shape of a compiled or graphed decode step. Every rank calls this at the
     same point, before its first plan: the warm-up's forwards all-reduce."""
@@ -140,9 +143,14 @@ def _warm_up(engine: Engine) -> None:
         return
     say(f"ladder: making the {engine.step.value} decode step for {len(engine.shapes)} shapes (batch "
         f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))})")
-    start = time.perf_counter()
-    engine.warm_up(lambda done, of: say(f"ladder: {done} of {of} shapes made, {time.perf_counter() - start:.0f} s")
-                   if of > 1 and done < of else None)
+    start = last_said = time.perf_counter()
+
+    def progress(done: int, of: int) -> None:  # a line every few seconds: loaded from the cache, 16 come in 5 s
+        nonlocal last_said
+        if done < of and time.perf_counter() - last_said >= PROGRESS_EVERY_S:
+            last_said = time.perf_counter()
+            say(f"ladder: {done} of {of} shapes made, {last_said - start:.0f} s")
+    engine.warm_up(progress)
     say(f"ladder: decode step ready in {time.perf_counter() - start:.1f} s")
 
 
