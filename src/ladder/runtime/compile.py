@@ -33,9 +33,9 @@ INDUCTOR_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 # freezing, keeps a graph out of AOTAutograd's cache, so a later start traced and froze again for 46-52 s;
 # `_weights_as_constants` makes the constants itself and the whole step comes back from torch's caches.
 # On a 2-core AVX-512 BF16 EPYC (results/compile_cache/avx512-bf16.md) the templates decoded int8 at 111
-# tokens/s against 48, bf16 at 67 against 24, for a longer first compile (124 s against 69, int8) and a
+# tokens/s against 48, bf16 at 67 against 47 (by handle), for a longer first compile (124 s against 69, int8) and a
 # cache entry that holds the packed weights (136 MiB int8, 521 bf16); a second start printed its first
-# token in 9.0 s (int8; 17.3 bf16). So they are on for a compiled CPU step on every CPU kind
+# token in 9.0 s (int8; 13.7-17.3 bf16). So they are on for a compiled CPU step on every CPU kind
 # (`uses_gemm_templates`), except a server's (`ladder.serve.worker.serving_options`).
 CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
