@@ -20,7 +20,9 @@ from ladder.comm.base import LocalCommunicator
 from ladder.model.config import get_preset
 from ladder.model.spec import ModelSpec
 from ladder.model.weights import random_model
+from ladder.options import DecodeStep
 from ladder.runtime.engine import Engine
+from ladder.serve import worker
 
 from helpers import Server, free_port, ladder_cli, ladder_in_process, start_two_nodes
 
@@ -365,3 +367,13 @@ def test_two_nodes_under_torchrun_serve_from_global_rank_0():
     finally:
         for n in nodes:
             n.kill()
+
+
+@pytest.mark.parametrize("dtype, computes_in_bf16, hinted", [(torch.bfloat16, True, True), (torch.bfloat16, False, False),
+                                                            (torch.float32, True, False)])
+def test_the_serving_line_names_a_faster_step_only_where_one_was_measured_faster(monkeypatch, dtype, computes_in_bf16,
+                                                                                 hinted):
+    monkeypatch.setattr(worker, "cpu_computes_in_bf16", lambda: computes_in_bf16)
+    model = random_model(get_preset("tiny"), LocalCommunicator(), torch.device("cpu")).to(dtype)
+    assert ("--compile" in worker.faster_step_hint(Engine(model))) == hinted
+    assert worker.faster_step_hint(Engine(model, DecodeStep.COMPILED_LAYERS)) == ""
