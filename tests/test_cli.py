@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from ladder.cli.main import build_parser, main
 from ladder.comm.distributed import communication_failure, init_distributed, shutdown_distributed
 from ladder.comm.launch import launch, quiet_when_the_launcher_is_gone
-from ladder.errors import LadderError
+from ladder.errors import LadderError, Stopped
 from ladder.model.config import PRESETS, ModelConfig, default_dtype, get_preset
 from ladder.options import CPU_DTYPE
 from ladder.train.settings import TrainConfig, load_train_config
@@ -219,6 +220,20 @@ def test_a_rank_that_loses_its_peer_says_so_in_one_line():
     assert said.startswith("communication with the other ranks failed (") and said.endswith(
         "); a rank that died or failed says why on its own node"), said
     assert communication_failure(RuntimeError("shape mismatch")) is None  # other errors stay tracebacks
+
+
+def _stop_the_launcher(launcher_pid: int) -> None:
+    os.kill(launcher_pid, signal.SIGTERM)
+    time.sleep(60)  # the launcher stops this rank before then
+
+
+def test_a_launch_stopped_by_a_signal_leaves_no_rendezvous_thread_running():
+    # torch's launcher leaves its rendezvous open after a signal. Freed on its own keep-alive thread, the
+    # handler's finalizer printed a traceback after the stop line, once in CI.
+    with pytest.raises(Stopped) as stopped:
+        launch(_stop_the_launcher, 1, os.getpid(), isolate=True)
+    assert stopped.value.__context__ is not None  # the launcher's frames, and so its handler, are alive
+    assert [t.name for t in threading.enumerate() if t.name.startswith("RendezvousKeepAliveTimer")] == []
 
 
 def _environment_of_rank() -> tuple[str | None, str | None, str]:

@@ -29,6 +29,9 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ladder.errors import LadderError, Stopped
@@ -45,6 +48,36 @@ FORK_SERVER_PRELOAD = ["ladder", "torch", "torch.distributed", "torch._dynamo", 
 # This module's environment when it was imported: in a fork server's worker, the fork server's (see
 # `_adopt_environment`).
 _ENVIRONMENT_AT_IMPORT = dict(os.environ)
+# torch's c10d rendezvous, under a name of ours so that `launch` holds the handler it makes (below).
+RENDEZVOUS_BACKEND = "ladder-c10d"
+_rendezvous_of_this_launch: list[RendezvousHandler] = []
+
+
+class _RendezvousBackend(dynamic_rendezvous.RendezvousBackend):
+    """torch's c10d backend, by our name (the registry checks that a handler's backend has the name asked for)."""
+
+    def __init__(self, c10d: dynamic_rendezvous.RendezvousBackend) -> None:
+        self._c10d = c10d
+
+    @property
+    def name(self) -> str:
+        return RENDEZVOUS_BACKEND
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        return self._c10d.get_state()
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        return self._c10d.set_state(state, token)
+
+
+def _create_rendezvous(params: RendezvousParameters) -> RendezvousHandler:
+    c10d, store = c10d_rendezvous_backend.create_backend(params)
+    handler = dynamic_rendezvous.create_handler(store, _RendezvousBackend(c10d), params)
+    _rendezvous_of_this_launch.append(handler)
+    return handler
+
+
+rendezvous_handler_registry.register(RENDEZVOUS_BACKEND, _create_rendezvous)
 
 
 def quiet_when_the_launcher_is_gone(kind: type[BaseException], value: BaseException,
@@ -160,10 +193,10 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, 
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          rdzv_backend=RENDEZVOUS_BACKEND, rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method=_start_method())
     # A worker stopped by a signal may still write its report while this process removes the folder: that
-    # must not print at exit (once in CI, an exception from a finalizer after the stop line; cause not seen).
+    # must not print at exit.
     with (tempfile.TemporaryDirectory(prefix="ladder-launch-", ignore_cleanup_errors=True) as error_dir,
           _signals_stop_workers()):
         try:
@@ -171,11 +204,23 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, isolate: bool = False, 
         except ChildFailedError as exc:
             raise LadderError(_describe_failure(Path(error_dir), exc)) from None
         except SignalException as exc:  # the launcher has passed it on to the workers, waited up to 30 s
+            _shut_down_rendezvous()
             reports = sorted(Path(error_dir).glob("rank*"))
             said = reports[0].read_text() if reports else ""
             if exc.sigval == signal.SIGINT:
                 raise KeyboardInterrupt(said) from None
             raise Stopped(exc.sigval, said.removeprefix(f"stopped by {signal.Signals(exc.sigval).name}: ")) from None
+        finally:  # (the launcher has shut down the handlers of every other outcome)
+            _rendezvous_of_this_launch.clear()
+
+
+def _shut_down_rendezvous() -> None:
+    """After a signal torch's launcher leaves its rendezvous open (for a restart), its keep-alive thread
+    running. If that thread held the handler's last reference, the handler would be freed on it, and its
+    finalizer's `join` of that same thread prints a RuntimeError traceback after the stop line."""
+    for handler in _rendezvous_of_this_launch:
+        with contextlib.suppress(RuntimeError):  # (torch's store errors; the stop is what gets reported)
+            handler.shutdown()
 
 
 @contextlib.contextmanager
