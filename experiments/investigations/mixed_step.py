@@ -2,9 +2,12 @@
 against a decode forward then a prefill forward (the step before it), on SmolLM2-135M-Instruct, eager, as
 `ladder serve` runs it. D running rows at cache position 200, one chunk of T prompt tokens; median of
 `--rounds` steps of each, in turns, milliseconds. The decode forward alone and the prefill alone are
-timed too: what a running row waits for is the step.
+timed too: what a running row waits for is the step. `--step compile` or `compile-layers`: the decode
+forward is the server's compiled step (by handle, `ladder.serve.worker.serving_options`), and the one
+forward the eager view's.
 
     .venv/bin/python experiments/investigations/mixed_step.py [--dtype float32] [--rows 7] [--chunks 32,128,256]
+        [--step eager|compile|compile-layers]
 """
 
 import argparse
@@ -15,7 +18,11 @@ import torch
 
 from ladder.comm.base import LocalCommunicator
 from ladder.model.spec import ModelSpec
+from ladder.options import DecodeStep
 from ladder.runtime.engine import Engine, PrefillChunk
+from ladder.serve.worker import serving_options
+
+STEPS = {"eager": DecodeStep.EAGER, "compile": DecodeStep.COMPILED, "compile-layers": DecodeStep.COMPILED_LAYERS}
 
 
 def timed_ms(step) -> float:
@@ -31,13 +38,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=7)
     parser.add_argument("--chunks", default="32,128,256")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--step", choices=STEPS, default="eager")
     args = parser.parse_args()
     model = ModelSpec(model=args.model, dtype=args.dtype).load(LocalCommunicator(), torch.device("cpu")).model
-    engine = Engine(model)
+    engine = Engine(model, serving_options(STEPS[args.step]))
     engine.reserve(args.rows + 1, 1024, padded=True)
     D = args.rows
     tokens, positions = list(range(100, 100 + D)), [200] * D
-    print(f"{args.model} {args.dtype}, {D} running rows at position 200, {torch.get_num_threads()} threads")
+    print(f"{args.model} {args.dtype}, {args.step} decode step, {D} running rows at position 200, "
+          f"{torch.get_num_threads()} threads")
     print("| prompt chunk | decode alone | prefill alone | decode, then prefill | one forward | saved |")
     print("|---|---|---|---|---|---|")
     with torch.inference_mode():
