@@ -36,6 +36,10 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 # SmolLM2 made all-ladder without adaptation repeats one token, so its log-probabilities are compared too.
 SMOLLM_LAYOUTS = {"standard": ("standard", None), "hybrid-8": ("ladder", 8), "ladder": ("ladder", None)}
 NEW_TOKENS = 12
+# An eager engine (enforce_eager) still compiles its sampler's log-probability ranking on the first request
+# (`batched_count_greater_than`, about 20 s a process on two cores); with torch.compile off in each of its
+# processes it ranks eagerly, the same ranks.
+NO_COMPILE = "TORCH_COMPILE_DISABLE"
 
 
 def run_vllm(folders: list[Path], tp: int, prompt_ids: list[int] | dict[Path, list[int]],
@@ -45,7 +49,7 @@ def run_vllm(folders: list[Path], tp: int, prompt_ids: list[int] | dict[Path, li
     settings = {"folders": [str(f) for f in folders], "tp": tp, "prompt_ids": prompt_ids, "max_tokens": NEW_TOKENS,
                 **settings}
     done = subprocess.run([sys.executable, str(RUNNER), json.dumps(settings)], capture_output=True, text=True,
-                          timeout=900)
+                          timeout=900, env={**os.environ, **({NO_COMPILE: "1"} if settings.get("eager", True) else {})})
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     return {Path(folder).name: result for folder, result in json.loads(lines[-1][len("RESULTS "):]).items()}
@@ -204,6 +208,7 @@ def test_vllms_openai_server_at_tp3_answers_a_chat_and_a_prompt_as_ladder_does(s
     openai = pytest.importorskip("openai")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # one NUMA node: no rank-per-node binding
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # more ranks than cores: one thread each
+    monkeypatch.setenv(NO_COMPILE, "1")
     folders, prompt, expected = smollm2
     folder = folders["hybrid-8"]
     tokenizer = TextTokenizer.from_hf_folder(folder)
