@@ -25,7 +25,7 @@ from ladder.model.weights import export_hf_state_dict
 from ladder.runtime.engine import Engine
 
 from helpers import in_flight_at_each_wait
-from vllm_runner import KV_CACHE_BYTES
+from vllm_runner import KV_CACHE_BYTES, NO_COMPILE
 
 # The README's test command installs vLLM, so CI runs these; elsewhere they need `pip install "ladder[vllm]"`.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
@@ -36,10 +36,6 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 # SmolLM2 made all-ladder without adaptation repeats one token, so its log-probabilities are compared too.
 SMOLLM_LAYOUTS = {"standard": ("standard", None), "hybrid-8": ("ladder", 8), "ladder": ("ladder", None)}
 NEW_TOKENS = 12
-# An eager engine (enforce_eager) still compiles its sampler's log-probability ranking on the first request
-# (`batched_count_greater_than`, about 20 s a process on two cores); with torch.compile off in each of its
-# processes it ranks eagerly, the same ranks.
-NO_COMPILE = "TORCH_COMPILE_DISABLE"
 
 
 def run_vllm(folders: list[Path], tp: int, prompt_ids: list[int] | dict[Path, list[int]],
@@ -49,7 +45,7 @@ def run_vllm(folders: list[Path], tp: int, prompt_ids: list[int] | dict[Path, li
     settings = {"folders": [str(f) for f in folders], "tp": tp, "prompt_ids": prompt_ids, "max_tokens": NEW_TOKENS,
                 **settings}
     done = subprocess.run([sys.executable, str(RUNNER), json.dumps(settings)], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, **({NO_COMPILE: "1"} if settings.get("eager", True) else {})})
+                          timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     return {Path(folder).name: result for folder, result in json.loads(lines[-1][len("RESULTS "):]).items()}

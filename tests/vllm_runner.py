@@ -23,6 +23,10 @@ import torch
 # The KV cache's size, given: from a share of memory (gpu_memory_utilization, on CPU a share of the machine's),
 # vLLM takes away the process's RSS first, so the share that fit one machine left no cache on a smaller one.
 KV_CACHE_BYTES = 64 * 2**20
+# An eager engine (enforce_eager) still compiles its sampler's log-probability ranking on the first request
+# (`batched_count_greater_than`, about 20 s a process on two cores); with torch.compile off in each of its
+# processes it ranks eagerly, the same ranks. (`import torch` has not read dynamo's settings yet.)
+NO_COMPILE = "TORCH_COMPILE_DISABLE"
 
 
 def start_profile(worker) -> None:  # runs in each vLLM worker (collective_rpc)
@@ -84,6 +88,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # vLLM waits 5 s for its workers to exit by themselves, which they do not here, then stops them
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
+    if settings.get("eager", True):
+        os.environ.setdefault(NO_COMPILE, "1")
     if settings["tp"] > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # one NUMA node: no rank-per-node binding
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # more ranks than cores: one thread each
