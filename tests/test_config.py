@@ -16,7 +16,7 @@ from ladder.model import config
 from ladder.model import transformer as model_module
 from ladder.model.config import PRESETS, ModelConfig, get_preset
 from ladder.model.spec import ModelSpec
-from ladder.options import CPU_DTYPE
+from ladder.options import CPU_DTYPE, DecodeStep
 from ladder.runtime import engine as engine_module
 from ladder.runtime.engine import Engine
 
@@ -143,6 +143,8 @@ def test_an_engine_upcasts_half_precision_only_on_a_cpu_without_bf16_arithmetic(
     attention = engine.model.layers[0].attention
     assert attention.compute_dtype == (None if computes_in_bf16 else torch.float32)
     assert attention.decode_kernel == ("matmul" if computes_in_bf16 and not amx else "sdpa")
+    compiled = Engine(model, DecodeStep.COMPILED_LAYERS)  # its eager view decodes in a server's mixed steps
+    assert compiled.model.layers[0].attention.decode_kernel == attention.decode_kernel
     assert isinstance(attention.wqkv, nn.Linear if computes_in_bf16 else linears.UpcastLinear)
     assert isinstance(model.layers[0].attention.wqkv, nn.Linear) and model.layers[0].attention.compute_dtype is None
     shared = attention.wqkv if computes_in_bf16 else attention.wqkv.layer

@@ -180,9 +180,12 @@ def test_one_forward_of_running_rows_and_prompt_chunks_equals_a_decode_then_a_pr
         torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
 
 
-def test_a_step_with_running_rows_and_a_prompt_chunk_runs_one_forward(monkeypatch):
+@pytest.mark.parametrize("step", [DecodeStep.EAGER, DecodeStep.COMPILED, DecodeStep.COMPILED_LAYERS])
+def test_a_step_with_running_rows_and_a_prompt_chunk_runs_one_forward(monkeypatch, step):
+    """On a CPU, the eager view's one forward where the decode step is compiled too (its decoding rows:
+    test_compiled_layers_at_padded_shapes_give_every_request_its_eager_tokens)."""
     model = make_model(tiny())
-    engine = server_engine(model, 2, 64)
+    engine = server_engine(model, 2, 64, step)
     run_plan(engine, StepPlan(prefill=[PrefillChunk(0, [1, 2, 3], 0)]))
     forwards = []
     monkeypatch.setattr(engine.model, "forward", lambda *a, **k: forwards.append("forward"))

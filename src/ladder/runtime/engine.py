@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -111,8 +111,10 @@ class Engine:
                      packs=packs)
         # ATen's bf16 attention of one query is slow on AVX-512 BF16 and fast with AMX (`matmul_decode_attention`)
         slow_half = model.tok_embeddings.weight.dtype in HALF_PRECISION and not upcast and not cpu_has_amx()
-        self.model.attend_with("sdpa" if step.compiles_step or step.compiles_layers else options.decode_attention_on(
-            self.device.type, slow_half), compute_dtype)
+        # the eager view attends as an eager step does: a compiled CPU engine decodes on it in mixed steps
+        eager = options if step is DecodeStep.EAGER else replace(options, step=DecodeStep.EAGER,
+                                                                              decode_attention=None)
+        self.model.attend_with(eager.decode_attention_on(self.device.type, slow_half), compute_dtype)
         self._step_model = self.model
         if step.compiles_step or step.compiles_layers:
             self._step_model = model.view().eval()  # the eager view's packed weights, or plain ones, torchao's int8
@@ -207,6 +209,16 @@ class Engine:
         tokens, positions, rows, kv_len = self._chunk_batch(chunks)
         logits = self.model(tokens, positions, last_only=not every_position, rows=rows, kv_len=kv_len)
         return logits if every_position else logits[:, -1]
+
+    @property
+    def mixes_in_one_forward(self) -> bool:
+        """Whether a step that decodes and prefills runs `decode_and_prefill`, one eager forward, rather than
+        `decode` then `prefill`. On a CPU, yes whatever the step: reading each weight once for both beat a
+        compiled decode forward before the eager prefill (SmolLM2 fp32, two AVX2 cores, 7 running rows and a
+        32-256 token chunk: 3-15 % less with `--compile`, 10-27 % with `--compile-layers`;
+        experiments/investigations/mixed_step.py). On CUDA only an eager step: a graphed decode step
+        launches no kernels one by one."""
+        return self.step is DecodeStep.EAGER or self.device.type == "cpu"
 
     def decode_and_prefill(self, tokens: Sequence[int], positions: Sequence[int],
                            chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor]:

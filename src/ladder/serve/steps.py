@@ -9,12 +9,13 @@ KV-cache rows: the D running requests hold rows 0..D-1 (so the decode forward re
 cache, not a gathered copy) and the P requests being prefilled rows D..D+P-1. When a request leaves,
 the last running row moves into its place and the prefilling rows move down.
 
-An eager step runs one forward: one token of every running request and every prompt chunk together
-(`Engine.decode_and_prefill`), so the running requests wait for the chunks' compute but not for a
-second read of the weights (SmolLM2, fp32, two cores, 7 running rows and a 128-token chunk: 208 ms
-against 248; experiments/investigations/mixed_step.py). A step runs two forwards when its decode step
-is compiled or graphed (`Engine.decode`, then `Engine.prefill`), or when a chunk asks for every
-position's logits (a request that wants its prompt's log-probabilities). The engine's shapes are
+A step that decodes and prefills runs one forward: one token of every running request and every
+prompt chunk together (`Engine.decode_and_prefill`), so the running requests wait for the chunks'
+compute but not for a second read of the weights (SmolLM2, fp32, two cores, 7 running rows and a
+128-token chunk: 208 ms against 248; experiments/investigations/mixed_step.py). On a CPU it is the
+eager forward even where the decode step is compiled (`Engine.mixes_in_one_forward`). It runs two
+forwards (`Engine.decode`, then `Engine.prefill`) when the decode step is graphed or compiled on CUDA,
+or when a chunk asks for every position's logits (a request that wants its prompt's log-probabilities). The engine's shapes are
 reserved padded (`Engine.reserve(..., padded=True)`): a compiled or graphed step is made for each at
 start-up.
 """
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ladder.options import DecodeStep
 from ladder.runtime.engine import Engine, PrefillChunk
 
 
@@ -67,7 +67,7 @@ def run_plan(engine: Engine, plan: StepPlan) -> StepLogits:
         engine.move_row(source, target, length)
     out = StepLogits()
     every_position = any(chunk.every_position for chunk in plan.prefill)
-    if plan.decode_tokens and plan.prefill and engine.step is DecodeStep.EAGER and not every_position:
+    if plan.decode_tokens and plan.prefill and engine.mixes_in_one_forward and not every_position:
         out.decoded, out.prefilled = engine.decode_and_prefill(plan.decode_tokens, plan.decode_positions, plan.prefill)
         return out
     if plan.decode_tokens:
