@@ -4,17 +4,22 @@
 # table of the medians. To check that a change to the server is not slower than the commit before it:
 #   git worktree add /tmp/before <commit>
 #   bash experiments/investigations/server_in_turns.sh /tmp/before . results/serve/in-turns.jsonl 2
+# SERVE_FLAGS: more of the server's flags (e.g. "--compile-layers --max-batch 8 --max-model-len 512");
+# LOADS: other loads, "name|bench serve's load options" entries separated by ";".
 set -euo pipefail
 before=$1 after=$2 out=$3 rounds=${4:-2}
 python=$(pwd)/.venv/bin/python
-serve="--model smollm2-135m-instruct --dtype float32"
+serve="--model smollm2-135m-instruct --dtype float32 ${SERVE_FLAGS:-}"
+loads=${LOADS:-"batch 1|--num-requests 8 --max-concurrency 1 --request-rates inf;loaded|--num-requests 32 --max-concurrency 8 --request-rates inf"}
 for round in $(seq "$rounds"); do
   for tree in "$before" "$after"; do
     commit=$(git -C "$tree" rev-parse --short HEAD)
-    for load in "batch 1:8:1" "loaded:32:8"; do
-      IFS=: read -r name requests concurrency <<< "$load"
-      PYTHONPATH="$tree/src" "$python" -m ladder bench serve --serve "$serve" --request-rates inf \
-        --num-requests "$requests" --max-concurrency "$concurrency" --label "$commit, $name" --out "$out"
+    IFS=';' read -ra entries <<< "$loads"
+    for load in "${entries[@]}"; do
+      IFS='|' read -r name options <<< "$load"
+      # shellcheck disable=SC2086 # the load's options are words
+      PYTHONPATH="$tree/src" "$python" -m ladder bench serve --serve "$serve" $options --seed "$round" \
+        --label "$commit, $name" --out "$out"
     done
   done
 done
