@@ -112,8 +112,7 @@ class Engine:
         # ATen's bf16 attention of one query is slow on AVX-512 BF16 and fast with AMX (`matmul_decode_attention`)
         slow_half = model.tok_embeddings.weight.dtype in HALF_PRECISION and not upcast and not cpu_has_amx()
         # the eager view attends as an eager step does: a compiled CPU engine decodes on it in mixed steps
-        eager = options if step is DecodeStep.EAGER else replace(options, step=DecodeStep.EAGER,
-                                                                              decode_attention=None)
+        eager = options if step is DecodeStep.EAGER else replace(options, step=DecodeStep.EAGER, decode_attention=None)
         self.model.attend_with(eager.decode_attention_on(self.device.type, slow_half), compute_dtype)
         self._step_model = self.model
         if step.compiles_step or step.compiles_layers:
@@ -216,8 +215,8 @@ class Engine:
         `decode` then `prefill`. On a CPU, yes whatever the step: reading each weight once for both beat a
         compiled decode forward before the eager prefill (SmolLM2 fp32, two AVX2 cores, 7 running rows and a
         32-256 token chunk: 3-15 % less with `--compile`, 10-27 % with `--compile-layers`;
-        experiments/investigations/mixed_step.py). On CUDA only an eager step: a graphed decode step
-        launches no kernels one by one."""
+        experiments/investigations/mixed_step.py). On CUDA only an eager step: there a compiled or graphed
+        step replays one CUDA graph, and the eager forward launches its kernels one by one (not measured)."""
         return self.step is DecodeStep.EAGER or self.device.type == "cpu"
 
     def decode_and_prefill(self, tokens: Sequence[int], positions: Sequence[int],

@@ -15,9 +15,9 @@ compute but not for a second read of the weights (SmolLM2, fp32, two cores, 7 ru
 128-token chunk: 208 ms against 248; experiments/investigations/mixed_step.py). On a CPU it is the
 eager forward even where the decode step is compiled (`Engine.mixes_in_one_forward`). It runs two
 forwards (`Engine.decode`, then `Engine.prefill`) when the decode step is graphed or compiled on CUDA,
-or when a chunk asks for every position's logits (a request that wants its prompt's log-probabilities). The engine's shapes are
-reserved padded (`Engine.reserve(..., padded=True)`): a compiled or graphed step is made for each at
-start-up.
+or when a chunk asks for every position's logits (a request that wants its prompt's log-probabilities).
+The engine's shapes are reserved padded (`Engine.reserve(..., padded=True)`): a compiled or graphed step
+is made for each at start-up.
 """
 
 from __future__ import annotations
