@@ -412,13 +412,13 @@ def test_emulated_link_counts_only_communication_compute_did_not_hide():
     assert comm.hidden_fraction == pytest.approx(1 - exposed_first / (2 * d))
 
 
-def test_sweep_of_a_real_checkpoint(tiny_hf, tmp_path):
+def test_sweep_of_a_real_checkpoint(tiny_hf, tmp_path, capsys):
     _, folder, _ = tiny_hf
     out = tmp_path / "r.jsonl"
     args = ["--model", str(folder), "--tp", "2", "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "2",
             "--runs", "1", "--no-progress", "--out", str(out)]
-    emulated = ladder_cli("bench", *args, "--interconnect", "nvlink-h100")
-    real = ladder_cli("bench", *args, "--interconnect", "real", "--layouts", "ladder")
+    emulated = ladder_in_process(capsys, "bench", *args, "--interconnect", "nvlink-h100")
+    real = ladder_in_process(capsys, "bench", *args, "--interconnect", "real", "--layouts", "ladder")
     assert emulated.returncode == 0, emulated.stderr
     assert real.returncode == 0, real.stderr
     assert f"weights of {folder}" in real.stdout
@@ -432,9 +432,9 @@ def test_sweep_of_a_real_checkpoint(tiny_hf, tmp_path):
         assert r["model"]["dim"] == 64 and r["model"]["n_layers"] == 3 and r["model"]["vocab_size"] == 256
 
 
-def test_a_hybrid_sweep_compares_ladder_on_the_last_layers_with_whole_baselines(tmp_path):
+def test_a_hybrid_sweep_compares_ladder_on_the_last_layers_with_whole_baselines(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
-    result = ladder_cli("bench", "--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--ladder-layers",
+    result = ladder_in_process(capsys, "bench", "--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--ladder-layers",
                         "2,1", "--tp", "2", "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "2", "--runs", "1",
                         "--interconnect", "pcie-no-p2p", "--interleave", "steps", "--no-progress", "--out", str(out))
     assert result.returncode == 0, result.stderr
@@ -460,7 +460,7 @@ def test_a_hybrid_sweep_compares_ladder_on_the_last_layers_with_whole_baselines(
 
 def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
-    result = ladder_cli("bench", "--preset", "tiny", "--layouts", "standard", "--tp", "1",
+    result = ladder_in_process(capsys, "bench", "--preset", "tiny", "--layouts", "standard", "--tp", "1",
                         "--batch-sizes", "100000000", "--no-progress", "--out", str(out))
     assert result.returncode == 1
     assert "0 configurations measured, 1 failed" in result.stdout
@@ -614,13 +614,13 @@ def test_comm_share_calibration_counts_standards_all_reduces_on_the_undilated_li
     assert compute_s > 0
 
 
-def test_comm_share_dilates_each_configuration_once_and_resume_keeps_its_scale(tmp_path):
+def test_comm_share_dilates_each_configuration_once_and_resume_keeps_its_scale(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     args = ["bench", "--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--tp", "2",
             "--batch-sizes", "1,2", "--prompt-len", "8", "--gen-len", "4", "--runs", "2", "--rounds", "2",
             "--interconnect", "pcie-no-p2p", "--comm-share", "0.2", "--interleave", "steps", "--no-progress",
             "--out", str(out)]
-    first = ladder_cli(*args)
+    first = ladder_in_process(capsys, *args)
     assert first.returncode == 0, first.stderr
     assert first.stdout.count("--comm-share 0.2: pcie-no-p2p tp=2") == 2  # one calibration per batch size
     records = read_results(out)
@@ -635,7 +635,7 @@ def test_comm_share_dilates_each_configuration_once_and_resume_keeps_its_scale(t
     for b, scale, compute_ms, link_ms in said:
         assert float(scale) == pytest.approx(0.2 / 0.8 * float(compute_ms) / float(link_ms), rel=0.03)
         assert next(r["link_scale"] for r in records if r["batch_size"] == int(b)) == pytest.approx(float(scale), rel=5e-3)
-    again = ladder_cli(*args, "--resume")
+    again = ladder_in_process(capsys, *args, "--resume")
     assert again.returncode == 0, again.stderr
     assert again.stdout.count("as measured before (--resume)") == 2 and "nothing new appended" in again.stdout
 
@@ -826,12 +826,12 @@ TWO_NODE_SWEEP = ["bench", "--preset", "tiny", "--tp", "2", "--batch-sizes", "1,
                   "--runs", "1", "--prompt-len", "4", "--gen-len", "2", "--no-progress", "--out", "r.jsonl"]
 
 
-def test_two_nodes_resume_from_rank_0s_results_file(tmp_path):
+def test_two_nodes_resume_from_rank_0s_results_file(tmp_path, capsys):
     """Only node 0 has the file (`--out` is a path on each machine): node 1 must skip what node 0 skips,
     or the ranks pair the collectives of different configurations."""
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     node0.mkdir(), node1.mkdir()
-    whole = ladder_cli(*TWO_NODE_SWEEP[:-1], str(node0 / "r.jsonl"))
+    whole = ladder_in_process(capsys, *TWO_NODE_SWEEP[:-1], str(node0 / "r.jsonl"))
     assert whole.returncode == 0, whole.stderr[-2000:]
     first = read_results(node0 / "r.jsonl")[0]
     (node0 / "r.jsonl").write_text(json.dumps(first) + "\n")  # as if stopped after the first configuration

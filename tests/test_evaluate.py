@@ -11,7 +11,7 @@ from ladder.comm.base import LocalCommunicator
 from ladder.evaluate import perplexity, windows
 from ladder.model.weights import build_model, load_weights
 
-from helpers import CPU, ladder_cli, ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
+from helpers import CPU, ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
 
 @pytest.mark.parametrize("n_tokens,window,stride", [(2, 2, 1), (10, 4, 3), (10, 4, 1), (100, 16, 7), (17, 512, 512)])
@@ -55,13 +55,13 @@ def test_eval_bad_input_is_one_line(args, message, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_eval_at_tp_2_under_torchrun_equals_tp_1_and_reports_once(tmp_path):
+def test_eval_at_tp_2_under_torchrun_equals_tp_1_and_reports_once(tmp_path, capsys):
     text = tmp_path / "play.txt"
     text.write_text("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 4)
     args = ["eval", "--model", "smollm2-135m-instruct", "--text", str(text), "--max-tokens", "60", "--window", "32",
             "--stride", "16", "--json"]
     tp2 = torchrun_ladder(*args, "--tp", "2", dist_timeout_s=120)
-    tp1 = ladder_cli(*args)
+    tp1 = ladder_in_process(capsys, *args)  # TP 1 starts no workers
     assert tp1.returncode == 0 and tp2.returncode == 0, tp2.stderr[-2000:]
     reports = [json.loads(line) for line in tp2.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == 1  # printed by global rank 0 only
