@@ -24,7 +24,7 @@ from ladder.options import DecodeStep
 from ladder.runtime.engine import Engine
 from ladder.serve import worker
 
-from helpers import Server, free_port, ladder_cli, ladder_in_process, start_two_nodes
+from helpers import Server, free_port, ladder_in_process, start_two_nodes
 
 openai = pytest.importorskip("openai")
 
@@ -217,9 +217,9 @@ def test_a_full_queue_answers_503_with_retry_after(slow):
 
 # ---- the load benchmark ---------------------------------------------------------------------------------
 
-def bench_serve(tmp_path: Path, *args: str) -> list[dict]:
+def bench_serve(capsys, tmp_path: Path, *args: str) -> list[dict]:
     out = tmp_path / "load.jsonl"
-    result = ladder_cli("bench", "serve", *args, "--out", str(out), timeout=600)
+    result = ladder_in_process(capsys, "bench", "serve", *args, "--out", str(out))  # its server, if any, a process
     assert result.returncode == 0, result.stderr[-2000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -228,9 +228,9 @@ def assert_ordered(stats: dict) -> None:
     assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], stats
 
 
-def test_bench_serve_drives_a_running_server_with_shakespeare_prompts(smollm, tmp_path):
+def test_bench_serve_drives_a_running_server_with_shakespeare_prompts(smollm, tmp_path, capsys):
     spec = LoadSpec(num_requests=4, output_len=8, prompt_len=32)
-    [record] = bench_serve(tmp_path, "--url", smollm.url, "--num-requests", "4", "--output-len", "8", "--prompt-len", "32")
+    [record] = bench_serve(capsys, tmp_path, "--url", smollm.url, "--num-requests", "4", "--output-len", "8", "--prompt-len", "32")
     drawn = draw_requests(spec, load_tokenizer(spec))
     assert record["completed"] == 4 and record["failed"] == 0 and record["usage_from"] == "server"
     assert record["total_output_tokens"] == sum(r.output_len for r in drawn)  # ignore_eos: every drawn length
@@ -240,8 +240,8 @@ def test_bench_serve_drives_a_running_server_with_shakespeare_prompts(smollm, tm
     assert record["ttft_ms"]["n"] == 4 and record["e2e_ms"]["p50"] >= record["ttft_ms"]["p50"]
 
 
-def test_bench_serve_starts_its_own_server_and_plots_latency_against_load(tmp_path):
-    records = bench_serve(tmp_path, "--serve", "--preset tiny --max-batch 2", "--dataset", "fixed", "--byte-prompts",
+def test_bench_serve_starts_its_own_server_and_plots_latency_against_load(tmp_path, capsys):
+    records = bench_serve(capsys, tmp_path, "--serve", "--preset tiny --max-batch 2", "--dataset", "fixed", "--byte-prompts",
                           "--prompt-len", "8", "--output-len", "5", "--num-requests", "5", "--request-rates", "20,inf",
                           "--plot", str(tmp_path / "load.png"))
     assert [r["request_rate"] for r in records] == [20.0, float("inf")]
