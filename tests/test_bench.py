@@ -1,6 +1,8 @@
 """ladder bench: a short real + emulated sweep, the emulated link's timing, failures kept in the file."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import re
 import socket
@@ -19,6 +21,7 @@ from ladder.bench.spec import BenchPoint, sweep_points
 from ladder.bench.summary import failures, format_summary, layout_label, read_results, summarise
 import ladder.bench.sweep as bench_sweep
 from ladder.bench.sweep import run_sweep
+from ladder.cli.main import main
 from ladder.comm.emulated import EmulatedCommunicator, wait_until
 from ladder.comm.links import LinkModel, get_link
 from ladder.errors import LadderError
@@ -26,7 +29,7 @@ from ladder.model.config import get_preset
 from ladder.options import DecodeStep
 from ladder.runtime.memory import estimate_memory_bytes
 
-from helpers import ladder_cli, ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
+from helpers import ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
 REQUIRED = {"layout", "preset", "model", "tp", "batch_size", "prompt_len", "gen_len", "interconnect", "emulated",
             "env", "prefill_s", "decode_s", "tokens_per_s", "decode_token_latency_ms", "peak_memory_bytes",
@@ -38,12 +41,19 @@ def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "results.jsonl"
     args = ["--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--tp", "1,2", "--batch-sizes", "2",
             "--prompt-len", "8", "--gen-len", "4", "--warmup", "1", "--runs", "2", "--no-progress"]
-    real = ladder_cli("bench", *args, "--interconnect", "real", "--out", str(out))
-    emulated = ladder_cli("bench", *args, "--interconnect", "custom", "--link-latency-us", "300",
-                          "--link-bandwidth-gbps", "1", "--rounds", "2", "--out", str(out))
-    assert real.returncode == 0, real.stderr
-    assert emulated.returncode == 0, emulated.stderr
-    return out, real.stdout + emulated.stdout
+    real = bench_here(*args, "--interconnect", "real", "--out", str(out))
+    emulated = bench_here(*args, "--interconnect", "custom", "--link-latency-us", "300", "--link-bandwidth-gbps", "1",
+                          "--rounds", "2", "--out", str(out))
+    return out, real + emulated
+
+
+def bench_here(*args: str) -> str:
+    """What `ladder bench ARGS` prints, run in this process (its workers fork as always); for a module's
+    fixture, which has no capsys."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["bench", *args]) == 0
+    return printed.getvalue()
 
 
 def test_results_file_is_well_formed(sweep):
