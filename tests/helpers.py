@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -35,15 +37,27 @@ def ladder_cli(*args: str, timeout: float = 300, dist_timeout_s: int | None = No
 
 
 def ladder_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
-    """The CLI run in this process, as `ladder_cli` reports it, for a command that starts no workers: no
-    interpreter and torch start-up (seconds each)."""
+    """The CLI run in this process, as `ladder_cli` reports it, for a command that starts no workers (or
+    whose workers print nothing the test reads): no interpreter and torch start-up (seconds each)."""
     capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as exc:  # argparse refuses an option this way
-        code = exc.code
+    code = _exit_code(args)
     said = capsys.readouterr()
     return subprocess.CompletedProcess(["ladder", *args], code, said.out, said.err)
+
+
+def ladder_in_fixture(*args: str) -> subprocess.CompletedProcess:
+    """`ladder_in_process` for a module's fixture, which has no capsys: the output captured by redirection."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = _exit_code(args)
+    return subprocess.CompletedProcess(["ladder", *args], code, out.getvalue(), err.getvalue())
+
+
+def _exit_code(args: Sequence[str]) -> int | str | None:
+    try:
+        return main(list(args))
+    except SystemExit as exc:  # argparse refuses an option this way
+        return exc.code
 
 
 def torchrun_ladder(*args: str, dist_timeout_s: int = 60, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -1,8 +1,6 @@
 """ladder bench: a short real + emulated sweep, the emulated link's timing, failures kept in the file."""
 
-import contextlib
 import dataclasses
-import io
 import json
 import re
 import socket
@@ -21,7 +19,6 @@ from ladder.bench.spec import BenchPoint, sweep_points
 from ladder.bench.summary import failures, format_summary, layout_label, read_results, summarise
 import ladder.bench.sweep as bench_sweep
 from ladder.bench.sweep import run_sweep
-from ladder.cli.main import main
 from ladder.comm.emulated import EmulatedCommunicator, wait_until
 from ladder.comm.links import LinkModel, get_link
 from ladder.errors import LadderError
@@ -29,7 +26,7 @@ from ladder.model.config import get_preset
 from ladder.options import DecodeStep
 from ladder.runtime.memory import estimate_memory_bytes
 
-from helpers import ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
+from helpers import ladder_in_fixture, ladder_in_process, ladder_lines, torchrun_ladder, torchrun_on_two_nodes
 
 REQUIRED = {"layout", "preset", "model", "tp", "batch_size", "prompt_len", "gen_len", "interconnect", "emulated",
             "env", "prefill_s", "decode_s", "tokens_per_s", "decode_token_latency_ms", "peak_memory_bytes",
@@ -41,19 +38,12 @@ def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "results.jsonl"
     args = ["--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--tp", "1,2", "--batch-sizes", "2",
             "--prompt-len", "8", "--gen-len", "4", "--warmup", "1", "--runs", "2", "--no-progress"]
-    real = bench_here(*args, "--interconnect", "real", "--out", str(out))
-    emulated = bench_here(*args, "--interconnect", "custom", "--link-latency-us", "300", "--link-bandwidth-gbps", "1",
-                          "--rounds", "2", "--out", str(out))
-    return out, real + emulated
-
-
-def bench_here(*args: str) -> str:
-    """What `ladder bench ARGS` prints, run in this process (its workers fork as always); for a module's
-    fixture, which has no capsys."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert main(["bench", *args]) == 0
-    return printed.getvalue()
+    real = ladder_in_fixture("bench", *args, "--interconnect", "real", "--out", str(out))
+    emulated = ladder_in_fixture("bench", *args, "--interconnect", "custom", "--link-latency-us", "300",
+                                 "--link-bandwidth-gbps", "1", "--rounds", "2", "--out", str(out))
+    assert real.returncode == 0, real.stderr
+    assert emulated.returncode == 0, emulated.stderr
+    return out, real.stdout + emulated.stdout
 
 
 def test_results_file_is_well_formed(sweep):
@@ -444,9 +434,10 @@ def test_sweep_of_a_real_checkpoint(tiny_hf, tmp_path, capsys):
 
 def test_a_hybrid_sweep_compares_ladder_on_the_last_layers_with_whole_baselines(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
-    result = ladder_in_process(capsys, "bench", "--preset", "tiny", "--layouts", "standard,ladder,upper-bound", "--ladder-layers",
-                        "2,1", "--tp", "2", "--batch-sizes", "1", "--prompt-len", "4", "--gen-len", "2", "--runs", "1",
-                        "--interconnect", "pcie-no-p2p", "--interleave", "steps", "--no-progress", "--out", str(out))
+    result = ladder_in_process(capsys, "bench", "--preset", "tiny", "--layouts", "standard,ladder,upper-bound",
+                               "--ladder-layers", "2,1", "--tp", "2", "--batch-sizes", "1", "--prompt-len", "4",
+                               "--gen-len", "2", "--runs", "1", "--interconnect", "pcie-no-p2p", "--interleave", "steps",
+                               "--no-progress", "--out", str(out))
     assert result.returncode == 0, result.stderr
     records = read_results(out)
     assert [(r["layout"], r["ladder_layers"]) for r in records] == [
@@ -471,7 +462,7 @@ def test_a_hybrid_sweep_compares_ladder_on_the_last_layers_with_whole_baselines(
 def test_a_sweep_that_measures_nothing_exits_non_zero(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     result = ladder_in_process(capsys, "bench", "--preset", "tiny", "--layouts", "standard", "--tp", "1",
-                        "--batch-sizes", "100000000", "--no-progress", "--out", str(out))
+                               "--batch-sizes", "100000000", "--no-progress", "--out", str(out))
     assert result.returncode == 1
     assert "0 configurations measured, 1 failed" in result.stdout
     assert read_results(out)[0]["status"] == "failed"

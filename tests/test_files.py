@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ladder.cli.main import main
 from ladder.errors import LadderError
 from ladder.files import append_line, check_room, safetensors_damage, write_cause, write_text
 from ladder.train.checkpoints import checkpoint_damage, checkpoint_dirs
 
-from helpers import ladder_in_process
+from helpers import ladder_in_fixture, ladder_in_process
 
 TRAIN = ["train", "preset=tiny", "seq_len=32", "batch_size=4", "micro_batch_size=4", "eval_every=100",
          "data=shakespeare:heldout", "heldout=none", "--no-progress"]
@@ -66,7 +65,8 @@ def leftovers(folder: Path) -> list[str]:
 def run(tmp_path_factory):
     """A tiny run with checkpoints at steps 3 and 6 (each about 2.5 MB: weights 0.8, optimizer 1.7)."""
     out = tmp_path_factory.mktemp("run") / "run"
-    assert main([*TRAIN, "steps=6", "checkpoint_every=3", f"out_dir={out}"]) == 0  # one rank: in this process
+    done = ladder_in_fixture(*TRAIN, "steps=6", "checkpoint_every=3", f"out_dir={out}")  # one rank: no workers
+    assert done.returncode == 0, done.stderr[-2000:]
     return out
 
 

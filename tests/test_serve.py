@@ -230,7 +230,8 @@ def assert_ordered(stats: dict) -> None:
 
 def test_bench_serve_drives_a_running_server_with_shakespeare_prompts(smollm, tmp_path, capsys):
     spec = LoadSpec(num_requests=4, output_len=8, prompt_len=32)
-    [record] = bench_serve(capsys, tmp_path, "--url", smollm.url, "--num-requests", "4", "--output-len", "8", "--prompt-len", "32")
+    [record] = bench_serve(capsys, tmp_path, "--url", smollm.url, "--num-requests", "4", "--output-len", "8",
+                           "--prompt-len", "32")
     drawn = draw_requests(spec, load_tokenizer(spec))
     assert record["completed"] == 4 and record["failed"] == 0 and record["usage_from"] == "server"
     assert record["total_output_tokens"] == sum(r.output_len for r in drawn)  # ignore_eos: every drawn length
@@ -241,9 +242,9 @@ def test_bench_serve_drives_a_running_server_with_shakespeare_prompts(smollm, tm
 
 
 def test_bench_serve_starts_its_own_server_and_plots_latency_against_load(tmp_path, capsys):
-    records = bench_serve(capsys, tmp_path, "--serve", "--preset tiny --max-batch 2", "--dataset", "fixed", "--byte-prompts",
-                          "--prompt-len", "8", "--output-len", "5", "--num-requests", "5", "--request-rates", "20,inf",
-                          "--plot", str(tmp_path / "load.png"))
+    records = bench_serve(capsys, tmp_path, "--serve", "--preset tiny --max-batch 2", "--dataset", "fixed",
+                          "--byte-prompts", "--prompt-len", "8", "--output-len", "5", "--num-requests", "5",
+                          "--request-rates", "20,inf", "--plot", str(tmp_path / "load.png"))
     assert [r["request_rate"] for r in records] == [20.0, float("inf")]
     for record in records:
         assert record["completed"] == 5 and record["total_output_tokens"] == 25 and record["total_prompt_tokens"] == 40
