@@ -171,24 +171,42 @@ def test_compiled_decode_equals_eager_for_each_of_two_models_of_one_shape_and_a_
     first one, started again (a new process's dynamo) for a prompt of another length, loads its step and
     compiles nothing: the cache's length is rounded up as `ladder generate` rounds it
     (`compiled_cache_length`). A file whose traced functions read otherwise now (a new ladder, an edited
-    model; here through the source digest torch checks) is not loaded. What AOT compile also wrote to AOTAutograd's cache is gone. int8 weights, as `--quantize int8`."""
+    model; here through the source digest torch checks) is not loaded. What AOT compile also wrote to AOTAutograd's cache is gone. int8 weights, as `--quantize int8`.
+    The start that loads its step does not probe the CPU's vector ISA (inductor's build and new interpreter)."""
     from torch._dynamo import package
     from torch._dynamo.utils import counters
+    from torch._inductor import cpu_vec_isa
 
     monkeypatch.setenv(CPU_GEMM_TEMPLATES, "1")
     monkeypatch.setenv(INDUCTOR_OPTIONS, '{"max_autotune_gemm_backends": "CPP"}')
     monkeypatch.setenv(INDUCTOR_CACHE_DIR, str(tmp_path / "inductor"))  # an empty cache
+    probes = []
     for start, (seed, prompt) in enumerate(((0, PROMPT), (1, PROMPT), (0, PROMPT[:, :3]))):
         eager, compiled, max_seq = int8_engines(seed, prompt)
+        if start == 2:  # a new process's inductor, which has not probed yet
+            forget_vector_isa_probes()
+            monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: probes.append(isa) or True)
         assert compiled.generate(prompt, 6, max_seq=max_seq).tokens == eager, f"seed {seed}"
         assert counters["aot_autograd"]["total"] == (0 if start == 2 else 1), (start, dict(counters["aot_autograd"]))
         assert start == 2 or counters["inductor"]["cpp_templated_kernel_counter"] > 0, dict(counters["inductor"])
         assert len(list((tmp_path / "inductor" / "ladder-steps").glob("*.aot"))) == min(start + 1, 2)
         assert not any((tmp_path / "inductor" / "aotautograd").glob("*"))
+    forget_vector_isa_probes()  # (the stand-in's answers)
+    assert not probes
     saved = compiled._forward.path_of(PROMPT.shape[0], max_seq)
     assert load_step(saved) is not None
     monkeypatch.setattr(package, "_hash_sourcelines", lambda *_: "another source")
     assert load_step(saved) is None  # so the step is compiled again (`SavedSteps._load_or_compile`)
+
+
+def forget_vector_isa_probes() -> None:
+    """inductor's answers of its vector ISA probe, kept for the process, forgotten."""
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    cpu_vec_isa.VecISA._VecISA__bool__impl.cache_clear()
+    for isa in (cpu_vec_isa.VecAVX512, cpu_vec_isa.VecAVX512VNNI, cpu_vec_isa.VecAMX):
+        isa.__bool__.cache_clear()
 
 
 def int8_engines(seed: int, prompt: torch.Tensor) -> tuple[list[list[int]], Engine, int]:
