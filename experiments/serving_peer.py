@@ -163,26 +163,26 @@ def summary(peer: Path = PEER) -> None:
     med = lambda rs, f: statistics.median(f(r) for r in rs)  # noqa: E731 (the median over rounds)
     lines = [f"# ladder serve beside vLLM's CPU build: {peer.name}", "",
              "| load | server | rate (req/s) | output tok/s | ITL mean (ms) | ITL p50 | ITL p90 | ITL p99 | TTFT p50 (ms) | "
-             "E2E p50 (ms) | output tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "E2E p50 (ms) | output tokens | rounds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (load, server, rate), rs in sorted(runs.items(), key=lambda kv: (list(LOADS).index(kv[0][0]), kv[0][2],
                                                                           kv[0][1])):
         itl = lambda q: med(rs, lambda r: r["itl_ms"][q])  # noqa: E731
         lines.append(f"| {load} | {server} | {rate:g} | {med(rs, lambda r: r['output_throughput']):.1f} | "
                      f"{itl('mean'):.1f} | {itl('p50'):.1f} | {itl('p90'):.1f} | {itl('p99'):.1f} | "
                      f"{med(rs, lambda r: r['ttft_ms']['p50']):.0f} | {med(rs, lambda r: r['e2e_ms']['p50']):.0f} | "
-                     f"{med(rs, lambda r: r['total_output_tokens']):.0f} |")
+                     f"{med(rs, lambda r: r['total_output_tokens']):.0f} | {len(rs)} |")
     decoding: dict[str, list[float]] = {}
     for r in rows:
         if "decode_tokens_per_s" in r:
             decoding.setdefault(r["label"], []).append(r["decode_tokens_per_s"])
     if decoding:
-        lines += ["", "| batch-1 decoding, no server | decode tok/s |", "|---|---|"]
-        lines += [f"| {label} | {statistics.median(v):.1f} |" for label, v in decoding.items()]
-    rounds = max(len(v) for v in [*decoding.values(), *runs.values()])
-    lines += ["", f"Medians of {rounds} round(s). Loads: " +
+        lines += ["", "| batch-1 decoding, no server | decode tok/s | rounds |", "|---|---|---|"]
+        lines += [f"| {label} | {statistics.median(v):.1f} | {len(v)} |" for label, v in decoding.items()]
+    lines += ["", "Each row: the median of its rounds (a run's servers take turns, a round each). Loads: " +
               "; ".join(f"{name}: `{options}`, at most {CONCURRENCY[name]} in flight" for name, options in LOADS.items()
                         if any(load == name for load, _, _ in runs)) +
-              f". {rows[0]['env']['cpu_count']} cores; CPU flags: {' '.join(flags) if flags else 'not recorded'}. "
+              f". {rows[0]['env']['cpu_count']} cores; CPU flags: {' '.join(flags) if flags else 'not recorded'}; "
+              f"commits {', '.join(sorted({r['env']['git_commit'] for r in rows if 'env' in r}))}. "
               "Written by experiments/serving_peer.py."]
     peer.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
