@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ladder.cli.main import build_parser, main
+from ladder.cli.main import COMMANDS, build_parser, main
 from ladder.comm.distributed import communication_failure, init_distributed, shutdown_distributed
 from ladder.comm.launch import launch, quiet_when_the_launcher_is_gone
 from ladder.errors import LadderError, Stopped
@@ -129,6 +129,27 @@ def test_help_says_every_default_that_a_command_would_use(capsys):
             if value is not None and value is not False and option not in ("func", "command", "overrides", "text"):
                 assert f"(default: {value})" in text or f"default: {value}" in text, (command, option, value)
     assert "--seed SEED seed of the random weights (default: 0)" in help_of("bench", capsys)
+
+
+def test_the_command_list_names_every_command_with_its_summary(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps at hyphens too
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = " ".join(capsys.readouterr().out.split())
+    for name, command in COMMANDS.items():
+        assert f"{name} {command.summary}" in listed
+        assert " ".join(command.summary.split()) in help_of(name, capsys)  # its own --help says it too
+
+
+def test_the_command_list_and_an_unknown_command_import_no_command_and_no_torch():
+    """`ladder --help` (and `ladder serv`) answers from the command table alone: no command's module is
+    imported, nor torch, which is 2 s of a start on two cores. A new interpreter: this one has torch."""
+    code = ("import sys\nfrom ladder.cli.main import main\nfor argv in (['--help'], ['serv']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as exc:\n        print('exit', exc.code)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('ladder.cli.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines()[-3:] == ["exit 0", "exit 2", "['ladder.cli.main']"], out.stdout + out.stderr
+    assert "invalid choice: 'serv'" in out.stderr
 
 
 @pytest.mark.parametrize("words", [["bench", "plot"], ["bench", "summary"], ["train", "plot"]])

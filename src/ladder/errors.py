@@ -27,3 +27,15 @@ def check_creatable(path: Path) -> None:
         raise LadderError(f"cannot write {path}: {blocker} is a file, not a folder") from None
     except OSError as exc:
         raise LadderError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def stop_message(stop: BaseException) -> str:
+    """"interrupted", "interrupted: saved step 40 to ...", "stopped by SIGTERM[: saved step ...]"."""
+    if isinstance(stop, Stopped):
+        return str(stop)
+    return "interrupted" + (f": {stop}" if str(stop) else "")
+
+
+def exit_status(stop: BaseException) -> int:
+    """The shell's convention for a process ended by a signal: 128 + its number (Ctrl-C: 130)."""
+    return 128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT)

@@ -15,8 +15,9 @@ from ladder.bench.records import SCHEMA_VERSION, append_jsonl, check_results_fil
 from ladder.bench.spec import BenchPoint, check_repetition, interleaved_groups
 from ladder.bench.summary import layout_label
 from ladder.bench.worker import RanksDisagree, bench_on_rank
-from ladder.comm.distributed import init_distributed, is_rank0, shutdown_distributed
+from ladder.comm.distributed import init_distributed, shutdown_distributed
 from ladder.comm.launch import launch, under_torchrun
+from ladder.console import is_rank0
 from ladder.errors import LadderError
 
 Records = dict[str, dict[str, Any]]  # records by `point_key`

@@ -27,7 +27,7 @@ from pathlib import Path
 from ladder.checkpoint.base import Checkpoint
 from ladder.checkpoint.gguf import open_gguf
 from ladder.checkpoint.hf import open_hf, save_hf
-from ladder.comm.distributed import say
+from ladder.console import say
 from ladder.errors import LadderError
 from ladder.options import CACHE_DIR, cache_root
 

@@ -17,10 +17,11 @@ from ladder.bench.records import check_results_file, check_trace_folder, measure
 from ladder.bench.spec import BenchPoint, check_repetition, sweep_points
 from ladder.bench.summary import failures, format_summary, read_bench_files, summarise
 from ladder.bench.sweep import run_sweep
-from ladder.cli.common import DTYPE_CHOICES, add_quantize_option, decode_step, exit_status, parse_hybrids, parse_list, stop_message
-from ladder.comm.distributed import is_rank0, pick_device, print_rank0, say
+from ladder.cli.common import DTYPE_CHOICES, add_quantize_option, decode_step, parse_hybrids, parse_list
+from ladder.comm.distributed import pick_device
 from ladder.comm.links import LinkModel, get_links
-from ladder.errors import LadderError, Stopped
+from ladder.console import is_rank0, print_rank0, say
+from ladder.errors import LadderError, Stopped, exit_status, stop_message
 from ladder.model.config import DEFAULT_DTYPE_HELP, default_dtype
 
 # The default `ladder bench`: a few minutes on a 2-core CPU, into a git-ignored scratch file.
@@ -163,10 +164,8 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_options(b: argparse.ArgumentParser) -> None:
     """`ladder bench`'s options."""
-    b = sub.add_parser("bench", help="throughput sweep over layouts x TP x batch (see also: ladder bench plot, "
-                       "summary and link)")
     b.add_argument("--preset", default=BENCH_DEFAULTS["preset"], help="model shape(s), comma-separated")
     b.add_argument("--model", help="measure a real checkpoint (GGUF file, Hugging Face folder or short name) "
                                    "instead of random weights of --preset")
@@ -220,38 +219,27 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--profile-tokens", type=int, default=8, help="new tokens of the profiled run")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
-    return b
 
 
-def add_summary_parser(sub: Any) -> argparse.ArgumentParser:
+def add_summary_options(bs: argparse.ArgumentParser) -> None:
     """`ladder bench summary`'s options."""
-    bs = sub.add_parser("bench-summary", prog="ladder bench summary",
-                        help="the speedup table of results files, then the configurations that failed "
-                             "(also: ladder bench summary FILE...)")
     bs.add_argument("results", nargs="+", help="results files; the runs of a configuration are pooled across them")
     how = bs.add_mutually_exclusive_group()
     how.add_argument("--markdown", action="store_true", help="a Markdown table")
     how.add_argument("--json", action="store_true", help="one JSON object per row (what the table shows, and more)")
     bs.set_defaults(func=cmd_bench_summary)
-    return bs
 
 
-def add_plot_parser(sub: Any) -> argparse.ArgumentParser:
+def add_plot_options(bp: argparse.ArgumentParser) -> None:
     """`ladder bench plot`'s options."""
-    bp = sub.add_parser("bench-plot", prog="ladder bench plot",
-                        help="draw the pictures of results files (also: ladder bench plot FILE...)")
     bp.add_argument("results", nargs="+", help="results files written by ladder bench; the runs of a configuration "
                     "are pooled across them, as in bench summary")
     bp.add_argument("--out-dir", default=None, help="where to write the PNGs (default: beside the first results file)")
     bp.set_defaults(func=cmd_bench_plot)
-    return bp
 
 
-def add_link_parser(sub: Any) -> argparse.ArgumentParser:
+def add_link_options(bl: argparse.ArgumentParser) -> None:
     """`ladder bench link`'s options."""
-    bl = sub.add_parser("bench-link", prog="ladder bench link",
-                        help="time this machine's all-reduce by message size and fit the link model "
-                             "--interconnect custom takes (also: ladder bench link)")
     bl.add_argument("--tp", default="2", help="comma-separated numbers of ranks to time it over")
     bl.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes in bytes (K, M, G: KiB...)")
     bl.add_argument("--device", default="auto", help="cpu (gloo), cuda (NCCL) or auto")
@@ -260,4 +248,3 @@ def add_link_parser(sub: Any) -> argparse.ArgumentParser:
     bl.add_argument("--iters", type=int, default=20, help="timed all-reduces per size")
     bl.add_argument("--json", action="store_true", help="one JSON object: the timings and the fitted link")
     bl.set_defaults(func=cmd_bench_link)
-    return bl

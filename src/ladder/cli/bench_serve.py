@@ -15,7 +15,7 @@ import torch
 from ladder.bench.records import append_jsonl, environment
 from ladder.bench.serve_load import LoadSpec, StartedServer, free_port, run_load
 from ladder.cli.common import parse_list
-from ladder.comm.distributed import say
+from ladder.console import say
 from ladder.errors import LadderError
 from ladder.plotting import pyplot, save
 
@@ -85,10 +85,8 @@ def plot_latency_vs_load(records: list[dict[str, Any]], path: Path) -> None:
     save(fig, path, plt)
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_options(p: argparse.ArgumentParser) -> None:
     """`ladder bench serve`'s options."""
-    p = sub.add_parser("bench-serve", prog="ladder bench serve",
-                       help="load-test an OpenAI-compatible server (also: ladder bench serve)")
     where = p.add_argument_group("server")
     where.add_argument("--url", help="a running server (ladder's, llama.cpp's, vLLM's), e.g. http://127.0.0.1:8000")
     where.add_argument("--serve", metavar="ARGS", help="start `ladder serve ARGS` for the run, e.g. \"--preset tiny\"")
@@ -109,4 +107,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench-serve.jsonl", help="results, a line per rate (appended)")
     p.add_argument("--plot", help="then draw every run in --out into this PNG")
     p.set_defaults(func=cmd_bench_serve)
-    return p

@@ -1,12 +1,11 @@
-"""What every command shares: the model options, list parsing, one-line messages and exit statuses."""
+"""What every command shares: the model options, list parsing and status lines."""
 
 from __future__ import annotations
 
 import argparse
-import signal
 
-from ladder.comm.distributed import is_rank0, say
-from ladder.errors import LadderError, Stopped
+from ladder.console import is_rank0, say
+from ladder.errors import LadderError
 from ladder.model.config import DEFAULT_DTYPE_HELP, DESYNC_PATTERNS, DTYPE_BYTES, LAYOUTS, PRESETS
 from ladder.model.spec import ModelSpec
 from ladder.options import DecodeStep
@@ -83,22 +82,3 @@ def parse_hybrids(text: str | None) -> list[int] | None:
     return None if text is None else parse_list(text, int, "--ladder-layers")
 
 
-def say_defaults(parser: argparse.ArgumentParser) -> None:
-    """Make --help name every option's default (argparse prints none, and none for options without help)."""
-    for action in parser._actions:
-        text = action.help or ""
-        no_default = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if action.option_strings and not no_default and "default" not in text:
-            action.help = f"{text} (default: %(default)s)".lstrip()
-
-
-def stop_message(stop: BaseException) -> str:
-    """"interrupted", "interrupted: saved step 40 to ...", "stopped by SIGTERM[: saved step ...]"."""
-    if isinstance(stop, Stopped):
-        return str(stop)
-    return "interrupted" + (f": {stop}" if str(stop) else "")
-
-
-def exit_status(stop: BaseException) -> int:
-    """The shell's convention for a process ended by a signal: 128 + its number (Ctrl-C: 130)."""
-    return 128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT)

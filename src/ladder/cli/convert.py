@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -59,9 +58,8 @@ def calibrate(loaded: LoadedModel, args: argparse.Namespace) -> None:
     info(f"ladder: {describe(fits)}, on {spread.numel():,} tokens of {', '.join(args.calibrate)}")
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_options(c: argparse.ArgumentParser) -> None:
     """`ladder convert`'s options."""
-    c = sub.add_parser("convert", help="convert a checkpoint to a residual layout, write a Hugging Face folder")
     c.add_argument("src", help="a GGUF file, a Hugging Face folder, or a short name")
     c.add_argument("--out", required=True, help="the folder to write (atomically)")
     c.add_argument("--ladder-layers", type=int, metavar="N", help="ladder on the last N layers")
@@ -74,4 +72,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="--calibrate: tokens to fit on, spread over the text (default: %(default)s)")
     c.add_argument("--force", action="store_true", help="replace --out if it exists")
     c.set_defaults(func=cmd_convert)
-    return c

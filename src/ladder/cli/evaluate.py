@@ -174,9 +174,8 @@ def _write_output(path: str | None, result: dict) -> None:
         write_text(Path(path), json.dumps(result, indent=2, default=str) + "\n")
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_options(e: argparse.ArgumentParser) -> None:
     """`ladder eval`'s options."""
-    e = sub.add_parser("eval", help="perplexity of a model on a text file, or lm-evaluation-harness tasks")
     add_model_options(e)
     e.add_argument("--text", help="a UTF-8 text file: its perplexity")
     e.add_argument("--reference", metavar="MODEL",
@@ -196,4 +195,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--output", help="also write the result as JSON to this file")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_eval)
-    return e

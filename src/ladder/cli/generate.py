@@ -8,14 +8,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.cli.common import add_model_options, decode_step, info, model_spec, parse_ids
-from ladder.comm.distributed import check_ranks_agree, init_distributed, print_rank0, shutdown_distributed
+from ladder.comm.distributed import check_ranks_agree, init_distributed, shutdown_distributed
 from ladder.comm.launch import launch
+from ladder.console import print_rank0
 from ladder.errors import LadderError
 from ladder.model.spec import ModelSpec
 from ladder.options import CPU_DTYPE, DecodeStep, environment_value
@@ -176,9 +176,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_options(g: argparse.ArgumentParser) -> None:
     """`ladder generate`'s options."""
-    g = sub.add_parser("generate", help="generate text (or ids) with any model, layout and TP degree")
     add_model_options(g)
     g.add_argument("--chat", metavar="TEXT", help="a user message, wrapped in the model's chat template")
     g.add_argument("--prompt", metavar="TEXT", help="plain text to continue")
@@ -193,4 +192,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--compile-layers", action="store_true",
                    help="torch.compile each layer's attention and MLP, one graph for all layers (seconds for any depth)")
     g.set_defaults(func=cmd_generate)
-    return g

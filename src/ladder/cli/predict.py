@@ -122,9 +122,8 @@ def format_predictions(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_options(pr: argparse.ArgumentParser) -> None:
     """`ladder predict`'s options."""
-    pr = sub.add_parser("predict", help="predict tokens/s per layout from a roofline + link cost model")
     pr.add_argument("--preset", default="llama-3-70b", help=f"model shape, one of: {', '.join(PRESETS)}")
     pr.add_argument("--model", help="predict a checkpoint's shape instead of --preset: a Hugging Face folder or "
                     "just its config.json, a GGUF file, or a short name")
@@ -149,4 +148,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     help="one JSON line per prediction (with --validate: the report, one JSON object)")
     pr.add_argument("--validate", action="store_true", help="compare with the paper's held-out table points")
     pr.set_defaults(func=cmd_predict)
-    return pr

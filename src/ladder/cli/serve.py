@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -49,9 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_options(s: argparse.ArgumentParser) -> None:
     """`ladder serve`'s options."""
-    s = sub.add_parser("serve", help="serve a model over the OpenAI API (continuous batching, any TP degree)")
     add_model_options(s)
     g = s.add_argument_group("server")
     g.add_argument("--host", default=ServeSettings.host)
@@ -84,4 +82,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     d.add_argument("--cuda-graph", action="store_true",
                    help="capture the decode step (eager, or with --compile-layers) as CUDA graphs (GPU)")
     s.set_defaults(func=cmd_serve)
-    return s

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any
 
 from ladder.comm.launch import launch
 from ladder.errors import check_creatable
@@ -39,24 +38,19 @@ def cmd_train_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
+def add_options(t: argparse.ArgumentParser) -> None:
     """`ladder train`'s options."""
-    t = sub.add_parser("train", help="pretrain from a preset or adapt a checkpoint (see also: ladder train plot)",
-                       epilog=settings_help())
+    t.epilog = settings_help()
     t.add_argument("--config", help="a YAML or TOML file of train settings")
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings that override the file")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
     t.add_argument("--nproc", type=int, default=1, help="data-parallel workers to start on this machine")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
-    return t
 
 
-def add_plot_parser(sub: Any) -> argparse.ArgumentParser:
+def add_plot_options(tp_: argparse.ArgumentParser) -> None:
     """`ladder train plot`'s options."""
-    tp_ = sub.add_parser("train-plot", prog="ladder train plot",
-                         help="loss curves of runs on one picture (also: ladder train plot RUN...)")
     tp_.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl)")
     tp_.add_argument("--out", default="loss.png", help="the picture to write")
     tp_.set_defaults(func=cmd_train_plot)
-    return tp_

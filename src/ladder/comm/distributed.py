@@ -8,7 +8,6 @@ import datetime
 import hashlib
 import os
 import re
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -181,22 +180,3 @@ def shutdown_distributed() -> None:
         # run, 1 in a few). Sleeping hands the GIL to them first.
         time.sleep(0.02)
         dist.destroy_process_group()
-
-
-def say(line: str) -> None:
-    """One line on stderr in one write. Under torchrun every rank may say the same line at once into
-    one pipe; print's two writes (the text, then the newline) interleave them into a garbled line."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-def is_rank0() -> bool:
-    """Whether this process is global rank 0 (every process is when not launched by torchrun)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def print_rank0(*args: object, **kwargs: object) -> None:
-    """print() on global rank 0 only (every process when not distributed)."""
-    if is_rank0():
-        print(*args, **kwargs)  # type: ignore[call-overload]
-        sys.stdout.flush()

@@ -26,9 +26,10 @@ import uvicorn
 
 from ladder.comm.base import Communicator
 from ladder.comm.distributed import (DistContext, check_ranks_agree, from_every_rank, init_distributed, pick_device,
-                                     say, shutdown_distributed)
+                                     shutdown_distributed)
 from ladder.comm.emulated import EmulatedCommunicator
 from ladder.comm.links import get_link
+from ladder.console import say
 from ladder.errors import LadderError
 from ladder.model.config import cpu_computes_in_bf16
 from ladder.model.spec import ModelSpec

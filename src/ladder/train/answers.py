@@ -18,7 +18,8 @@ import torch
 
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
-from ladder.comm.distributed import from_every_rank, say
+from ladder.comm.distributed import from_every_rank
+from ladder.console import say
 from ladder.errors import LadderError
 from ladder.files import write_text
 from ladder.model.spec import ModelSpec

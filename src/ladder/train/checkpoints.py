@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ladder.checkpoint.hf import open_hf, write_hf_files
-from ladder.comm.distributed import from_every_rank, say
+from ladder.comm.distributed import from_every_rank
+from ladder.console import say
 from ladder.errors import LadderError
 from ladder.files import check_room, folder_bytes, safetensors_damage, writing
 from ladder.model.weights import export_hf_state_dict, load_weights

@@ -32,9 +32,9 @@ from tqdm import tqdm
 
 from ladder.checkpoint.tokenizer import TextTokenizer
 from ladder.comm.base import LocalCommunicator
-from ladder.comm.distributed import (DistContext, check_ranks_agree, fingerprint, init_distributed, is_rank0,
-                                     say, shutdown_distributed)
+from ladder.comm.distributed import DistContext, check_ranks_agree, fingerprint, init_distributed, shutdown_distributed
 from ladder.comm.launch import under_torchrun
+from ladder.console import is_rank0, say
 from ladder.errors import LadderError, Stopped
 from ladder.files import append_line, write_text
 from ladder.model.config import cpu_computes_in_bf16
