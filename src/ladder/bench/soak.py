@@ -63,8 +63,10 @@ class Server:
     def __init__(self, folder: Path, tp: int) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The eager step, as in the recorded runs (results/serve/soak.md): the CPU's default would first compile
+        # its shapes (39 s more of the short mode on two cores); the scheduler and the HTTP side are the same.
         command = [sys.executable, "-m", "ladder", "serve", "--model", str(folder), "--served-model-name", MODEL_NAME,
-                   "--tp", str(tp), "--max-batch", "8", "--max-waiting", "16", "--port", str(self.port)]
+                   "--tp", str(tp), "--max-batch", "8", "--max-waiting", "16", "--eager", "--port", str(self.port)]
         env = {**os.environ, "LADDER_DIST_TIMEOUT": str(DIST_TIMEOUT_S)}
         self.log = tempfile.TemporaryFile(mode="w+")  # (a pipe nobody reads would stall the server once full)
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env)

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 from ladder.cli.common import add_model_options, decode_step, model_spec
+from ladder.comm.distributed import pick_device
 from ladder.comm.launch import launch
 from ladder.comm.links import link_presets
 from ladder.errors import LadderError, Stopped
-from ladder.options import API_KEY, environment_value
+from ladder.options import API_KEY, DecodeStep, environment_value
 from ladder.runtime.limits import check_max_model_len
 from ladder.runtime.memory import parse_memory_setting
 from ladder.serve.worker import ServeSettings, serve_on_rank
@@ -31,9 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.interconnect is not None and args.interconnect not in link_presets():
         raise LadderError(f"unknown --interconnect {args.interconnect!r}; known: {', '.join(link_presets())}")
     parse_memory_setting(args.kv_cache_memory)  # its one-line refusal, before any worker starts
-    step = decode_step(args)
-    if step.captures_cuda_graph and (spec.device == "cpu" or not torch.cuda.is_available()):
-        raise LadderError("--cuda-graph needs a CUDA device (use --compile or --compile-layers on the CPU)")
+    step = serving_step(args, pick_device(spec.device))
     name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
     settings = ServeSettings(spec, name, args.host, args.port, args.max_batch, args.max_model_len, args.max_waiting,
                              args.max_num_batched_tokens, args.shutdown_timeout, args.interconnect, args.link_scale, step,
@@ -46,6 +45,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except Stopped:  # SIGTERM to the launcher: it passed it on, and rank 0 shut the server down
         return 0
     return 0
+
+
+def serving_step(args: argparse.Namespace, device: torch.device) -> DecodeStep:
+    """The decode step asked for; without a step flag, compiled layers on a CPU, whose shapes torch's cache
+    keeps across starts (SmolLM2's 32 on a 2-core AVX-512 EPYC: 34.6 s at the first start, 1.5 s after;
+    ahead of the eager step under every load there and on AVX2, docs/serving.md), and eager on CUDA and
+    behind an emulated link (not cached: every start would compile)."""
+    asked = decode_step(args)
+    if asked.captures_cuda_graph and device.type != "cuda":
+        raise LadderError("--cuda-graph needs a CUDA device (use --compile or --compile-layers on the CPU)")
+    if args.eager:
+        if asked is not DecodeStep.EAGER:
+            raise LadderError("--eager goes with none of --compile, --compile-layers and --cuda-graph")
+        return asked
+    if asked is DecodeStep.EAGER and device.type == "cpu" and args.interconnect is None:
+        return DecodeStep.COMPILED_LAYERS
+    return asked
 
 
 def add_options(s: argparse.ArgumentParser) -> None:
@@ -75,7 +91,9 @@ def add_options(s: argparse.ArgumentParser) -> None:
                    help="seconds requests in flight get to finish after SIGTERM or Ctrl-C")
     g.add_argument("--interconnect", help="an emulated link (one process, rank 0's shard of --tp ranks)")
     g.add_argument("--link-scale", type=float, default=1.0, help="stretch the emulated link's times")
-    d = s.add_argument_group("decode step (compiled or graphed at fixed shapes, made before the server answers)")
+    d = s.add_argument_group("decode step (compiled or graphed at fixed shapes, made before the server answers; "
+                             "default: --compile-layers on a CPU, eager on CUDA and with --interconnect)")
+    d.add_argument("--eager", action="store_true", help="the eager step: nothing compiled at start-up")
     d.add_argument("--compile", action="store_true", help="torch.compile the whole decode step (CUDA graphs on GPU)")
     d.add_argument("--compile-layers", action="store_true",
                    help="compile each layer's attention and MLP once for all layers, the step between them eager")

@@ -144,8 +144,10 @@ def _warm_up(engine: Engine) -> None:
     same point, before its first plan: the warm-up's forwards all-reduce."""
     if not engine.shapes:
         return
+    kept = "torch's cache keeps them for the next start; " if engine.device.type == "cpu" else ""
     say(f"ladder: making the {engine.step.value} decode step for {len(engine.shapes)} shapes (batch "
-        f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))})")
+        f"{'/'.join(map(str, engine.batch_sizes))} x cache {'/'.join(map(str, engine.kv_lens))}; {kept}"
+        "--eager serves without)")
     start = last_said = time.perf_counter()
 
     def progress(done: int, of: int) -> None:  # a line every few seconds: loaded from the cache, 16 come in 5 s
@@ -160,7 +162,7 @@ def _warm_up(engine: Engine) -> None:
 def faster_step_hint(engine: Engine) -> str:
     """What the serving line adds where an eager step serves and a compiled one is measurably faster: on
     CUDA, and in half precision on a CPU with bf16 arithmetic (SmolLM2 bf16 under a burst on AVX-512 BF16:
-    176.8 tokens/s with --compile, 141.1 with --compile-layers, 131.7 eager; docs/serving.md). On AVX2 in
+    212.6 tokens/s with --compile, 186.5 with --compile-layers, 138.1 eager; docs/serving.md). On AVX2 in
     fp32 a compiled step bought nothing at batch 1, so nothing is said there."""
     if engine.step is not DecodeStep.EAGER:
         return ""
