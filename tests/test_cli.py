@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ladder.cli.main import COMMANDS, build_parser, main
-from ladder.comm.distributed import communication_failure, init_distributed, shutdown_distributed
+from ladder.comm.distributed import init_distributed, shutdown_distributed
 from ladder.comm.launch import launch, quiet_when_the_launcher_is_gone
-from ladder.errors import LadderError, Stopped
+from ladder.errors import LadderError, Stopped, communication_failure
 from ladder.model.config import PRESETS, ModelConfig, default_dtype, get_preset
 from ladder.options import CPU_DTYPE
 from ladder.train.settings import TrainConfig, load_train_config

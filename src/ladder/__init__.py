@@ -14,18 +14,7 @@ if _os.environ.get("LADDER_LAUNCHED_WORKER") == "1":
     # function handles Ctrl-C, as training does, sets that up itself: ladder.comm.launch._worker.)
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
 
-from ladder.errors import LadderError
+from ladder.errors import LadderError  # (torch-free: `ladder --help` imports this package and no torch)
 
-__all__ = ["LAYOUTS", "PRESETS", "LadderError", "ModelConfig", "get_preset"]
+__all__ = ["LadderError"]
 __version__ = "0.1.0"
-
-_FROM_CONFIG = ("LAYOUTS", "PRESETS", "ModelConfig", "get_preset")
-
-
-def __getattr__(name: str) -> object:
-    """The model's names, imported on first use (PEP 562): they import torch, 2 s that `ladder --help`
-    and every process that imports `ladder.console` alone need not pay."""
-    if name in _FROM_CONFIG:
-        from ladder.model import config
-        return getattr(config, name)
-    raise AttributeError(f"module 'ladder' has no attribute {name!r}")

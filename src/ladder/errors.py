@@ -1,6 +1,8 @@
 """The exceptions users see as one line: errors of their input or environment, and stop signals."""
 
+import re
 import signal
+import sys
 from pathlib import Path
 
 
@@ -39,3 +41,16 @@ def stop_message(stop: BaseException) -> str:
 def exit_status(stop: BaseException) -> int:
     """The shell's convention for a process ended by a signal: 128 + its number (Ctrl-C: 130)."""
     return 128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT)
+
+
+def communication_failure(exc: BaseException) -> str | None:
+    """One line for torch.distributed's errors when another rank died or stopped answering (gloo's
+    transport errors and timeouts, NCCL's), None for any other error. The ranks still alive say it
+    in that line, not in a page of traceback; the rank that failed says why on its own node."""
+    text = str(exc).strip()
+    dist = sys.modules.get("torch.distributed")  # (not imported: no process group, so not its error)
+    if not (dist is not None and isinstance(exc, dist.DistError) or "gloo/transport" in text or "NCCL" in text):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(exc).__name__)  # (source location)
+    return (f"communication with the other ranks failed ({first.split('. ')[0]}); a rank that died or failed says "
+            "why on its own node")

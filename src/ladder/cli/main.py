@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ladder.console import say
-from ladder.errors import LadderError, Stopped, exit_status, stop_message
+from ladder.errors import LadderError, Stopped, communication_failure, exit_status, stop_message
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"ladder: {stop_message(exc)}")
         return exit_status(exc)
     except RuntimeError as exc:
-        from ladder.comm.distributed import communication_failure  # (torch's: a command has imported it by now)
         said = communication_failure(exc)
         if said is None:
             raise

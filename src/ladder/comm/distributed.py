@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -158,18 +157,6 @@ def fingerprint(tokens: torch.Tensor | Sequence[int] | None) -> str | None:
     if tokens is None:
         return None
     return hashlib.sha256(torch.as_tensor(tokens, dtype=torch.long).numpy().tobytes()).hexdigest()
-
-
-def communication_failure(exc: BaseException) -> str | None:
-    """One line for torch.distributed's errors when another rank died or stopped answering (gloo's
-    transport errors and timeouts, NCCL's), None for any other error. The ranks still alive say it
-    in that line, not in a page of traceback; the rank that failed says why on its own node."""
-    text = str(exc).strip()
-    if not (isinstance(exc, dist.DistError) or "gloo/transport" in text or "NCCL" in text):
-        return None
-    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(exc).__name__)  # (source location)
-    return (f"communication with the other ranks failed ({first.split('. ')[0]}); a rank that died or failed says "
-            "why on its own node")
 
 
 def shutdown_distributed() -> None:

@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ladder.checkpoint.tokenizer import TextTokenizer
-from ladder.comm.distributed import communication_failure
-from ladder.errors import LadderError
+from ladder.errors import LadderError, communication_failure
 from ladder.runtime.detokenizer import IncrementalDetokenizer
 from ladder.runtime.engine import Engine, PrefillChunk
 from ladder.runtime.sampling import SamplingBatch, SamplingParams, sample
