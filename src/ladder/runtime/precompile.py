@@ -174,11 +174,19 @@ def _vector_isa_trusted() -> Iterator[None]:
     """inductor's kernels load without its probe of the CPU's vector ISA (a build, then a `dlopen` in a new
     interpreter): 0.7 s of a 7.9 s first answer from a saved int8 step on a 2-core EPYC. A saved step's file
     is named by this CPU's ISA flags (`cpu_vector_isa`), so a compile on a CPU of this kind built code for
-    its ISA. inductor keeps the answer for the process: a later compile here takes it too."""
-    from torch._inductor import config
+    its ISA. inductor keeps the answer for the process: a later compile here takes it too. On AVX-512 and
+    AMX it also builds a probe of each extension it would use (bf16, VNNI, AMX tiles) whatever `vec_isa_ok`
+    says, once the CPU has reported the extension: those builds are trusted too, for the same reason (three
+    probes on a 2-core AVX-512 BF16 EPYC)."""
+    from torch._inductor import config, cpu_vec_isa
 
-    with config.patch({"cpp.vec_isa_ok": True}):
-        yield
+    probe = cpu_vec_isa.VecISA.check_build
+    cpu_vec_isa.VecISA.check_build = lambda isa, code: True  # type: ignore[method-assign]
+    try:
+        with config.patch({"cpp.vec_isa_ok": True}):
+            yield
+    finally:
+        cpu_vec_isa.VecISA.check_build = probe  # type: ignore[method-assign]
 
 
 def source_unchanged(step: Any) -> bool:
