@@ -1,4 +1,5 @@
-"""The exceptions users see as one line: errors of their input or environment, and stop signals."""
+"""The exceptions users see as one line (errors of their input or environment, stop signals, a rank
+that stopped answering), and what that line says. No torch here: `ladder --help` imports this module."""
 
 import re
 import signal

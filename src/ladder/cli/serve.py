@@ -49,9 +49,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serving_step(args: argparse.Namespace, device: torch.device) -> DecodeStep:
     """The decode step asked for; without a step flag, compiled layers on a CPU, whose shapes torch's cache
-    keeps across starts (SmolLM2's 32 on a 2-core AVX-512 EPYC: 34.6 s at the first start, 1.5 s after;
-    ahead of the eager step under every load there and on AVX2, docs/serving.md), and eager on CUDA and
-    behind an emulated link (not cached: every start would compile)."""
+    keeps across starts (SmolLM2's 32 on a 2-core AVX-512 EPYC: 34.6 s at the first start, 1.5 s after),
+    ahead of the eager step under a burst and one at a time, level or ahead under arriving prompts
+    (docs/serving.md); eager on CUDA and behind an emulated link (not cached: every start would compile)."""
     asked = decode_step(args)
     if asked.captures_cuda_graph and device.type != "cuda":
         raise LadderError("--cuda-graph needs a CUDA device (use --compile or --compile-layers on the CPU)")
