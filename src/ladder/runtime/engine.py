@@ -48,10 +48,11 @@ TokenCallback = Callable[[torch.Tensor], None]
 
 KV_BLOCK = 64  # an eager step reads the cache up to the longest sequence, rounded up to this many positions
 PREFILL_BLOCK = 32
-"""A server prefill's chunks are left-padded to a multiple of this many tokens. Each new forward shape
-leaves native memory behind (oneDNN's primitives, the allocator's free lists): with chunks of every
-length up to the token budget, the server's resident memory grew 10.7 % over 2,000 soak requests;
-padded to 32, 1.0 % (experiments/soak.py --memory-curve, docs/serving.md)."""
+"""A server forward's tokens come in multiples of this many: its prompt chunks are left-padded to make
+them so. Each new forward shape leaves native memory behind (oneDNN's primitives, the allocator's free
+lists): with chunks of every length up to the token budget, the server's resident memory grew 10.7 % over
+2,000 soak requests; padded to 32, 1.0 %; with the running rows' tokens beside a chunk in one forward
+(every sum of the two a shape), 17.0 % (experiments/soak.py --memory-curve, docs/serving.md)."""
 
 
 @dataclass
@@ -226,14 +227,19 @@ class Engine:
         D = len(tokens)
         decoding = (slice(0, D), to_device(tokens, self.device)[:, None], to_device(positions, self.device)[:, None],
                     kv_blocks(max(positions) + 1, self.max_seq))
-        chunk_tokens, chunk_positions, rows, kv_len = self._chunk_batch(chunks)
+        chunk_tokens, chunk_positions, rows, kv_len = self._chunk_batch(chunks, beside=D)
         logits = self.model.forward_mixed([decoding, (rows, chunk_tokens, chunk_positions, kv_len)])
         return logits[:D], logits[D:]
 
-    def _chunk_batch(self, chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor, slice, int]:
+    def _chunk_batch(self, chunks: Sequence[PrefillChunk],
+                     beside: int = 0) -> tuple[torch.Tensor, torch.Tensor, slice, int]:
         """Prompt chunks as a forward's batch (`prefill`): tokens and positions (P, T), left-padded, their
-        cache rows, and the cache positions they read."""
-        longest = -(-max(len(c.tokens) for c in chunks) // PREFILL_BLOCK) * PREFILL_BLOCK
+        cache rows, and the cache positions they read. T is the longest chunk padded so that the forward's
+        tokens, these P x T and one of each of the `beside` rows that decode in it, come in whole
+        PREFILL_BLOCKs where T can make them (always for one chunk), else T itself in whole blocks."""
+        P, longest = len(chunks), max(len(c.tokens) for c in chunks)
+        fits = (n for n in range(longest, longest + PREFILL_BLOCK) if (beside + P * n) % PREFILL_BLOCK == 0)
+        longest = next(fits, -(-longest // PREFILL_BLOCK) * PREFILL_BLOCK)
         tokens = [[0] * (longest - len(c.tokens)) + c.tokens for c in chunks]
         positions = [[self.scratch_position] * (longest - len(c.tokens)) + list(range(c.start, c.start + len(c.tokens)))
                      for c in chunks]
