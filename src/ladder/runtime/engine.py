@@ -236,10 +236,9 @@ class Engine:
         """Prompt chunks as a forward's batch (`prefill`): tokens and positions (P, T), left-padded, their
         cache rows, and the cache positions they read. T is the longest chunk padded so that the forward's
         tokens, these P x T and one of each of the `beside` rows that decode in it, come in whole
-        PREFILL_BLOCKs where T can make them (always for one chunk), else T itself in whole blocks."""
+        PREFILL_BLOCKs, or as near as T can make them (exactly for one chunk): few shapes."""
         P, longest = len(chunks), max(len(c.tokens) for c in chunks)
-        fits = (n for n in range(longest, longest + PREFILL_BLOCK) if (beside + P * n) % PREFILL_BLOCK == 0)
-        longest = next(fits, -(-longest // PREFILL_BLOCK) * PREFILL_BLOCK)
+        longest = min(range(longest, longest + PREFILL_BLOCK), key=lambda n: (beside + P * n) % PREFILL_BLOCK)
         tokens = [[0] * (longest - len(c.tokens)) + c.tokens for c in chunks]
         positions = [[self.scratch_position] * (longest - len(c.tokens)) + list(range(c.start, c.start + len(c.tokens)))
                      for c in chunks]
