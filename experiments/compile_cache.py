@@ -48,6 +48,7 @@ CASES = {  # name: (ladder arguments, extra environment)
     "generate --quantize int8 --compile-layers": (GENERATE + ["--quantize", "int8", "--compile-layers"], {}),
     "serve --quantize int8 --compile-layers": (["serve", "--model", MODEL, "--quantize", "int8", "--compile-layers"],
                                                {}),
+    "serve (its default step: compiled layers on a CPU)": (["serve", "--model", MODEL], {}),
 }
 
 
