@@ -48,11 +48,11 @@ TokenCallback = Callable[[torch.Tensor], None]
 
 KV_BLOCK = 64  # an eager step reads the cache up to the longest sequence, rounded up to this many positions
 PREFILL_BLOCK = 32
-"""A server forward's tokens come in multiples of this many: its prompt chunks are left-padded to make
-them so. Each new forward shape leaves native memory behind (oneDNN's primitives, the allocator's free
-lists): with chunks of every length up to the token budget, the server's resident memory grew 10.7 % over
-2,000 soak requests; padded to 32, 1.0 %; with the running rows' tokens beside a chunk in one forward
-(every sum of the two a shape), 17.0 % (experiments/soak.py --memory-curve, docs/serving.md)."""
+"""A server forward's tokens come in multiples of this many, as near as its prompt chunks' left padding
+can make them. Each new forward shape leaves native memory behind (oneDNN's primitives, the allocator's
+free lists): the soak's resident memory grew 10.7 % over 2,000 requests with chunks of every length, and
+17.0 % with chunks padded alone beside the running rows' tokens; 5.8 % so (experiments/soak.py
+--memory-curve, docs/serving.md)."""
 
 
 @dataclass
